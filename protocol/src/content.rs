@@ -1,0 +1,246 @@
+//! The publish → content header → body* state machine of one channel.
+
+use crate::reply::{AmqpError, ReplyCode};
+use amq_protocol::protocol::basic::{AMQPProperties, Publish};
+use bytes::{Bytes, BytesMut};
+
+/// One complete published message as it came off the wire.
+#[derive(Debug, Clone)]
+pub struct Content {
+    pub publish: Publish,
+    pub properties: AMQPProperties,
+    /// The encoded property flags and list, as the publisher sent them.
+    pub raw_properties: Bytes,
+    pub body: Bytes,
+}
+
+#[derive(Debug, Default)]
+enum State {
+    #[default]
+    Idle,
+    AwaitingHeader(Publish),
+    AwaitingBody {
+        publish: Publish,
+        properties: AMQPProperties,
+        raw_properties: Bytes,
+        expected: u64,
+        /// First body frame kept as is (the common single-frame case costs no copy).
+        first: Option<Bytes>,
+        /// Later frames are appended here.
+        rest: BytesMut,
+    },
+}
+
+/// Assembles content for one channel.
+#[derive(Debug, Default)]
+pub struct ContentAssembler {
+    state: State,
+}
+
+const PUBLISH: (u16, u16) = (60, 40);
+
+impl ContentAssembler {
+    pub fn is_idle(&self) -> bool {
+        matches!(self.state, State::Idle)
+    }
+
+    /// Drop a partial message (channel closed).
+    pub fn reset(&mut self) {
+        self.state = State::Idle;
+    }
+
+    /// A basic.publish arrived. Any other method while content is pending is the caller's 505.
+    pub fn publish(&mut self, publish: Publish) -> Result<(), AmqpError> {
+        if !self.is_idle() {
+            return Err(self.unexpected("basic.publish"));
+        }
+        self.state = State::AwaitingHeader(publish);
+        Ok(())
+    }
+
+    /// The error for a method frame arriving while content is expected.
+    pub fn unexpected(&self, what: &str) -> AmqpError {
+        let text = match self.state {
+            State::AwaitingHeader(_) => {
+                format!("expected content header for class 60, got non content header frame instead ({what})")
+            }
+            _ => format!("expected content body, got non content body frame instead ({what})"),
+        };
+        AmqpError::connection(ReplyCode::UnexpectedFrame, text).on(PUBLISH.0, PUBLISH.1)
+    }
+
+    pub fn header(
+        &mut self,
+        class_id: u16,
+        body_size: u64,
+        properties: AMQPProperties,
+        raw_properties: Bytes,
+    ) -> Result<Option<Content>, AmqpError> {
+        let publish = match std::mem::take(&mut self.state) {
+            State::AwaitingHeader(p) => p,
+            other => {
+                self.state = other;
+                return Err(AmqpError::connection(
+                    ReplyCode::UnexpectedFrame,
+                    "unexpected content header frame",
+                ));
+            }
+        };
+        if class_id != 60 {
+            return Err(AmqpError::connection(
+                ReplyCode::UnexpectedFrame,
+                format!("expected content header for class 60, got one for class {class_id} instead"),
+            )
+            .on(PUBLISH.0, PUBLISH.1));
+        }
+        if body_size == 0 {
+            return Ok(Some(Content {
+                publish,
+                properties,
+                raw_properties,
+                body: Bytes::new(),
+            }));
+        }
+        self.state = State::AwaitingBody {
+            publish,
+            properties,
+            raw_properties,
+            expected: body_size,
+            first: None,
+            rest: BytesMut::new(),
+        };
+        Ok(None)
+    }
+
+    pub fn body(&mut self, data: Bytes) -> Result<Option<Content>, AmqpError> {
+        let State::AwaitingBody {
+            expected,
+            first,
+            rest,
+            ..
+        } = &mut self.state
+        else {
+            return Err(AmqpError::connection(
+                ReplyCode::UnexpectedFrame,
+                "unexpected content body frame",
+            ));
+        };
+        let have = if rest.is_empty() {
+            first.as_ref().map_or(0, |b| b.len())
+        } else {
+            rest.len()
+        };
+        if (have + data.len()) as u64 > *expected {
+            return Err(AmqpError::connection(
+                ReplyCode::FrameError,
+                format!(
+                    "content body exceeds declared size {} (got at least {})",
+                    expected,
+                    have + data.len()
+                ),
+            ));
+        }
+        match first {
+            None => *first = Some(data),
+            Some(f) => {
+                if rest.is_empty() {
+                    rest.reserve(*expected as usize);
+                    rest.extend_from_slice(f);
+                }
+                rest.extend_from_slice(&data);
+            }
+        }
+        let have = if rest.is_empty() {
+            first.as_ref().map_or(0, |b| b.len())
+        } else {
+            rest.len()
+        };
+        if have as u64 == *expected {
+            if let State::AwaitingBody {
+                publish,
+                properties,
+                raw_properties,
+                first,
+                rest,
+                ..
+            } = std::mem::take(&mut self.state)
+            {
+                let body = if rest.is_empty() {
+                    first.unwrap_or_default()
+                } else {
+                    rest.freeze()
+                };
+                return Ok(Some(Content {
+                    publish,
+                    properties,
+                    raw_properties,
+                    body,
+                }));
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publish() -> Publish {
+        Publish {
+            routing_key: "k".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn body_across_many_frames() {
+        let mut a = ContentAssembler::default();
+        a.publish(publish()).unwrap();
+        assert!(a
+            .header(60, 6, AMQPProperties::default(), Bytes::from_static(&[0, 0]))
+            .unwrap()
+            .is_none());
+        assert!(a.body(Bytes::from_static(b"ab")).unwrap().is_none());
+        assert!(a.body(Bytes::from_static(b"cd")).unwrap().is_none());
+        let c = a.body(Bytes::from_static(b"ef")).unwrap().unwrap();
+        assert_eq!(&c.body[..], b"abcdef");
+        assert!(a.is_idle());
+    }
+
+    #[test]
+    fn empty_body_completes_on_header() {
+        let mut a = ContentAssembler::default();
+        a.publish(publish()).unwrap();
+        let c = a
+            .header(60, 0, AMQPProperties::default(), Bytes::from_static(&[0, 0]))
+            .unwrap()
+            .unwrap();
+        assert!(c.body.is_empty());
+    }
+
+    #[test]
+    fn out_of_order_frames_are_505() {
+        let mut a = ContentAssembler::default();
+        let e = a.body(Bytes::from_static(b"x")).unwrap_err();
+        assert_eq!(e.code, ReplyCode::UnexpectedFrame);
+        let e = a
+            .header(60, 1, AMQPProperties::default(), Bytes::new())
+            .unwrap_err();
+        assert_eq!(e.code, ReplyCode::UnexpectedFrame);
+        a.publish(publish()).unwrap();
+        assert_eq!(
+            a.publish(publish()).unwrap_err().code,
+            ReplyCode::UnexpectedFrame
+        );
+    }
+
+    #[test]
+    fn oversize_body_is_rejected() {
+        let mut a = ContentAssembler::default();
+        a.publish(publish()).unwrap();
+        a.header(60, 2, AMQPProperties::default(), Bytes::new())
+            .unwrap();
+        assert!(a.body(Bytes::from_static(b"abc")).is_err());
+    }
+}
