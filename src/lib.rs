@@ -1,1 +1,3 @@
-pub fn x(){}
+//! Warren: an AMQP 0-9-1 message broker.
+
+pub mod broker;

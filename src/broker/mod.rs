@@ -1,0 +1,1514 @@
+//! The broker core: vhosts, exchanges, queues, bindings, consumers and prefetch.
+//!
+//! No tokio, no sockets, no files, no async. Every method takes `&mut self`, changes state and
+//! appends what the outside world must see to an effects vector (deliveries, cancel
+//! notifications). The server holds the one `Broker` behind a mutex; see `server.rs` for the lock
+//! order. Plain unit tests at the bottom drive it without any I/O.
+//!
+//! Durable state changes (declarations, bindings, messages) go through [`Broker::apply`] with a
+//! typed [`Op`]: the live command path validates, builds the op and applies it, and crash
+//! recovery (and, later, cluster followers) replay ops through the same function.
+
+pub mod exchange;
+pub mod headers;
+pub mod queue;
+pub mod topic;
+
+use amq_protocol::protocol::basic::AMQPProperties;
+use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
+use bytes::Bytes;
+use exchange::{Dest, Exchange, ExchangeKind};
+use queue::{ConsumerKey, Queue, QueuedMessage};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use warren_protocol::AmqpError;
+use warren_storage::{BindingDest, Op};
+
+pub type ConnId = u64;
+pub type QueueId = u64;
+
+/// A published message, shared (not copied) by every queue it was routed to.
+#[derive(Debug)]
+pub struct Message {
+    pub exchange: ShortString,
+    pub routing_key: ShortString,
+    pub properties: AMQPProperties,
+    /// Encoded properties exactly as published; sent unchanged on delivery.
+    pub raw_properties: Bytes,
+    pub body: Bytes,
+}
+
+impl Message {
+    pub fn persistent(&self) -> bool {
+        self.properties.delivery_mode() == &Some(2)
+    }
+}
+
+/// What the server must do after a core call.
+#[derive(Debug)]
+pub enum Effect {
+    Deliver {
+        conn: ConnId,
+        channel: u16,
+        consumer_tag: Arc<str>,
+        delivery_tag: u64,
+        redelivered: bool,
+        msg: Arc<Message>,
+    },
+    /// The queue of a consumer went away: tell the client (consumer_cancel_notify).
+    ConsumerCancelled {
+        conn: ConnId,
+        channel: u16,
+        consumer_tag: Arc<str>,
+    },
+    /// The connection used up its delivery budget: the server must call [`Broker::refill`] once
+    /// its writer has flushed.
+    Throttled(ConnId),
+}
+
+/// A consumer on a channel.
+#[derive(Debug)]
+struct Consumer {
+    tag: Arc<str>,
+    queue: QueueId,
+    no_ack: bool,
+    /// basic.qos(global=false) in force when it subscribed; 0 = unlimited.
+    prefetch: u16,
+    unacked: u32,
+}
+
+#[derive(Debug)]
+struct Unacked {
+    queue: QueueId,
+    qm: QueuedMessage,
+    /// Which consumer got it (None for basic.get).
+    consumer: Option<Arc<str>>,
+}
+
+#[derive(Debug)]
+struct ChannelState {
+    next_tag: u64,
+    unacked: BTreeMap<u64, Unacked>,
+    consumers: Vec<Consumer>,
+    /// Applied to consumers created after basic.qos(global=false).
+    prefetch_consumer: u16,
+    /// basic.qos(global=true): shared by all consumers of the channel; 0 = unlimited.
+    prefetch_channel: u16,
+    /// Unacked deliveries to this channel's consumers (what the channel limit counts).
+    consumer_unacked: u32,
+    /// channel.flow: false pauses deliveries.
+    flow: bool,
+}
+
+impl ChannelState {
+    fn new() -> Self {
+        ChannelState {
+            next_tag: 1,
+            unacked: BTreeMap::new(),
+            consumers: Vec::new(),
+            prefetch_consumer: 0,
+            prefetch_channel: 0,
+            consumer_unacked: 0,
+            flow: true,
+        }
+    }
+}
+
+/// How many bytes of deliveries a connection's writer may have pending before the core stops
+/// handing it more (a client that stops reading must not grow the server's memory).
+pub const DELIVERY_BUDGET: i64 = 4 * 1024 * 1024;
+
+#[derive(Debug)]
+struct ConnState {
+    vhost: String,
+    channels: HashMap<u16, ChannelState>,
+    budget: i64,
+    throttled: bool,
+}
+
+#[derive(Debug)]
+struct VHost {
+    exchanges: HashMap<String, Exchange>,
+    queues: HashMap<String, QueueId>,
+}
+
+/// Numbers a queue.declare-ok reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueInfo {
+    pub name: String,
+    pub message_count: u32,
+    pub consumer_count: u32,
+}
+
+/// One message handed out by basic.get.
+#[derive(Debug)]
+pub struct GetResult {
+    pub delivery_tag: u64,
+    pub redelivered: bool,
+    pub msg: Arc<Message>,
+    pub message_count: u32,
+}
+
+/// Parameters of queue.declare, from the wire.
+#[derive(Debug, Clone, Default)]
+pub struct QueueDeclare {
+    pub name: String,
+    pub passive: bool,
+    pub durable: bool,
+    pub exclusive: bool,
+    pub auto_delete: bool,
+    pub arguments: FieldTable,
+}
+
+/// Parameters of exchange.declare, from the wire.
+#[derive(Debug, Clone, Default)]
+pub struct ExchangeDeclare {
+    pub name: String,
+    pub kind: String,
+    pub passive: bool,
+    pub durable: bool,
+    pub auto_delete: bool,
+    pub internal: bool,
+    pub arguments: FieldTable,
+}
+
+#[derive(Debug)]
+pub struct Broker {
+    vhosts: HashMap<String, VHost>,
+    queues: HashMap<QueueId, Queue>,
+    conns: HashMap<ConnId, ConnState>,
+    next_queue_id: QueueId,
+    next_message_id: u64,
+    next_conn_id: ConnId,
+}
+
+impl Default for Broker {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn qname(vhost: &str, name: &str) -> String {
+    format!("queue '{name}' in vhost '{vhost}'")
+}
+
+fn xname(vhost: &str, name: &str) -> String {
+    format!("exchange '{name}' in vhost '{vhost}'")
+}
+
+/// Encode a field table in its wire form (for ops).
+pub fn encode_table(t: &FieldTable) -> Bytes {
+    use amq_protocol::frame::WriteContext;
+    use amq_protocol::types::generation::gen_field_table;
+    match gen_field_table(t)(WriteContext::from(Vec::new())) {
+        Ok(ctx) => Bytes::from(ctx.into_inner().0),
+        Err(_) => Bytes::from_static(&[0, 0, 0, 0]),
+    }
+}
+
+/// Decode a field table from its wire form.
+pub fn decode_table(b: &[u8]) -> Result<FieldTable, AmqpError> {
+    amq_protocol::types::parsing::parse_field_table(b)
+        .map(|(_, t)| t)
+        .map_err(|_| AmqpError::new(warren_protocol::ReplyCode::InternalError, "bad field table"))
+}
+
+fn random_name(prefix: &str) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut rng = rand::rng();
+    let suffix: String = (0..22)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect();
+    format!("{prefix}{suffix}")
+}
+
+/// Text form of a value in "inequivalent arg" messages.
+fn show_value(v: Option<&AMQPValue>) -> String {
+    match v {
+        None => "none".into(),
+        Some(AMQPValue::LongString(s)) => format!("'{}'", String::from_utf8_lossy(s.as_bytes())),
+        Some(AMQPValue::ShortString(s)) => format!("'{}'", s.as_str()),
+        Some(AMQPValue::Boolean(b)) => format!("'{b}'"),
+        Some(AMQPValue::ShortShortInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::ShortShortUInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::ShortInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::ShortUInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::LongInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::LongUInt(x)) => format!("'{x}'"),
+        Some(AMQPValue::LongLongInt(x)) => format!("'{x}'"),
+        Some(other) => format!("{other:?}"),
+    }
+}
+
+/// Queue arguments RabbitMQ compares on redeclare; others are stored but not compared.
+const COMPARED_QUEUE_ARGS: &[&str] = &[
+    "x-expires",
+    "x-message-ttl",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    "x-max-priority",
+    "x-overflow",
+    "x-queue-mode",
+    "x-queue-type",
+    "x-single-active-consumer",
+    "x-delivery-limit",
+    "x-queue-master-locator",
+    "x-queue-leader-locator",
+];
+
+fn values_equivalent(a: Option<&AMQPValue>, b: Option<&AMQPValue>) -> bool {
+    fn int(v: &AMQPValue) -> Option<i128> {
+        Some(match v {
+            AMQPValue::ShortShortInt(x) => *x as i128,
+            AMQPValue::ShortShortUInt(x) => *x as i128,
+            AMQPValue::ShortInt(x) => *x as i128,
+            AMQPValue::ShortUInt(x) => *x as i128,
+            AMQPValue::LongInt(x) => *x as i128,
+            AMQPValue::LongUInt(x) => *x as i128,
+            AMQPValue::LongLongInt(x) => *x as i128,
+            _ => return None,
+        })
+    }
+    match (a, b) {
+        (None, None) => true,
+        (Some(x), Some(y)) => match (int(x), int(y)) {
+            (Some(i), Some(j)) => i == j,
+            _ => x == y,
+        },
+        _ => false,
+    }
+}
+
+impl Broker {
+    /// A broker with the default vhost "/" and its predeclared exchanges.
+    pub fn new() -> Self {
+        let mut b = Broker {
+            vhosts: HashMap::new(),
+            queues: HashMap::new(),
+            conns: HashMap::new(),
+            next_queue_id: 1,
+            next_message_id: 1,
+            next_conn_id: 1,
+        };
+        b.add_vhost("/");
+        b
+    }
+
+    pub fn add_vhost(&mut self, name: &str) {
+        if self.vhosts.contains_key(name) {
+            return;
+        }
+        let mut exchanges = HashMap::new();
+        for (x, kind) in [
+            ("", ExchangeKind::Direct),
+            ("amq.direct", ExchangeKind::Direct),
+            ("amq.fanout", ExchangeKind::Fanout),
+            ("amq.topic", ExchangeKind::Topic),
+            ("amq.headers", ExchangeKind::Headers),
+            ("amq.match", ExchangeKind::Headers),
+        ] {
+            exchanges.insert(
+                x.to_string(),
+                Exchange::new(x.to_string(), kind, true, false, false, FieldTable::default()),
+            );
+        }
+        self.vhosts.insert(
+            name.to_string(),
+            VHost {
+                exchanges,
+                queues: HashMap::new(),
+            },
+        );
+    }
+
+    pub fn has_vhost(&self, name: &str) -> bool {
+        self.vhosts.contains_key(name)
+    }
+
+    fn vhost(&self, vhost: &str) -> Result<&VHost, AmqpError> {
+        self.vhosts
+            .get(vhost)
+            .ok_or_else(|| AmqpError::not_allowed(format!("vhost {vhost} not found")))
+    }
+
+    fn vhost_mut(&mut self, vhost: &str) -> Result<&mut VHost, AmqpError> {
+        self.vhosts
+            .get_mut(vhost)
+            .ok_or_else(|| AmqpError::not_allowed(format!("vhost {vhost} not found")))
+    }
+
+    // ---------------------------------------------------------------- connections, channels
+
+    /// Register a new connection on a vhost; returns its id.
+    pub fn connection_open(&mut self, vhost: &str) -> ConnId {
+        let id = self.next_conn_id;
+        self.next_conn_id += 1;
+        self.conns.insert(
+            id,
+            ConnState {
+                vhost: vhost.to_string(),
+                channels: HashMap::new(),
+                budget: DELIVERY_BUDGET,
+                throttled: false,
+            },
+        );
+        id
+    }
+
+    /// The connection went away: close its channels (requeueing what they held) and delete its
+    /// exclusive queues.
+    pub fn connection_close(&mut self, conn: ConnId, fx: &mut Vec<Effect>) {
+        let channels: Vec<u16> = match self.conns.get(&conn) {
+            Some(c) => c.channels.keys().copied().collect(),
+            None => return,
+        };
+        for ch in channels {
+            self.channel_close(conn, ch, fx);
+        }
+        let owned: Vec<QueueId> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.owner == Some(conn))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in owned {
+            self.delete_queue_by_id(id, fx);
+        }
+        self.conns.remove(&conn);
+    }
+
+    pub fn channel_open(&mut self, conn: ConnId, ch: u16) {
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.channels.insert(ch, ChannelState::new());
+        }
+    }
+
+    /// Close a channel: its consumers go, its unacked messages return to their queues in their
+    /// original places, marked redelivered.
+    pub fn channel_close(&mut self, conn: ConnId, ch: u16, fx: &mut Vec<Effect>) {
+        let Some(state) = self
+            .conns
+            .get_mut(&conn)
+            .and_then(|c| c.channels.remove(&ch))
+        else {
+            return;
+        };
+        let mut touched: Vec<QueueId> = Vec::new();
+        for consumer in &state.consumers {
+            let key = ConsumerKey {
+                conn,
+                channel: ch,
+                tag: consumer.tag.to_string(),
+            };
+            if let Some(q) = self.queues.get_mut(&consumer.queue) {
+                q.remove_consumer(&key);
+            }
+            touched.push(consumer.queue);
+        }
+        // Requeue newest first so each lands in front of the ones after it.
+        for (_, u) in state.unacked.into_iter().rev() {
+            if let Some(q) = self.queues.get_mut(&u.queue) {
+                q.unacked -= 1;
+                q.requeue(u.qm);
+                touched.push(u.queue);
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for id in touched {
+            self.after_consumer_change(id, fx);
+        }
+    }
+
+    /// After consumers left or messages returned: auto-delete, or dispatch.
+    fn after_consumer_change(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        if q.auto_delete && q.had_consumers && q.consumers.is_empty() {
+            self.delete_queue_by_id(id, fx);
+        } else {
+            self.dispatch(id, fx);
+        }
+    }
+
+    fn channel(&mut self, conn: ConnId, ch: u16) -> Result<&mut ChannelState, AmqpError> {
+        self.conns
+            .get_mut(&conn)
+            .and_then(|c| c.channels.get_mut(&ch))
+            .ok_or_else(|| AmqpError::channel_error(format!("channel {ch} is not open")))
+    }
+
+    // ---------------------------------------------------------------- the apply path
+
+    /// Apply one durable state change. Live commands call this after validating; recovery calls
+    /// it for each stored op in order. It is deterministic: same ops, same state.
+    pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        match op {
+            Op::DeclareExchange {
+                vhost,
+                name,
+                kind,
+                durable,
+                auto_delete,
+                internal,
+                arguments,
+            } => {
+                let kind = ExchangeKind::parse(kind).ok_or_else(|| {
+                    AmqpError::command_invalid(format!("unknown exchange type '{kind}'"))
+                })?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                v.exchanges.entry(name.clone()).or_insert_with(|| {
+                    Exchange::new(
+                        name.clone(),
+                        kind,
+                        *durable,
+                        *auto_delete,
+                        *internal,
+                        arguments,
+                    )
+                });
+            }
+            Op::DeleteExchange { vhost, name } => {
+                let v = self.vhost_mut(vhost)?;
+                v.exchanges.remove(name);
+                // Bindings that pointed at it go too.
+                let dest = Dest::Exchange(name.clone());
+                for x in v.exchanges.values_mut() {
+                    x.unbind_dest(&dest);
+                }
+            }
+            Op::DeclareQueue {
+                vhost,
+                name,
+                durable,
+                exclusive,
+                auto_delete,
+                arguments,
+            } => {
+                let arguments = decode_table(arguments)?;
+                let id = self.next_queue_id;
+                let v = self.vhost_mut(vhost)?;
+                if !v.queues.contains_key(name) {
+                    v.queues.insert(name.clone(), id);
+                    self.next_queue_id += 1;
+                    self.queues.insert(
+                        id,
+                        Queue::new(
+                            name.clone(),
+                            vhost.clone(),
+                            *durable,
+                            *exclusive,
+                            *auto_delete,
+                            arguments,
+                        ),
+                    );
+                }
+            }
+            Op::DeleteQueue { vhost, name } => {
+                if let Some(id) = self.vhost(vhost)?.queues.get(name).copied() {
+                    self.delete_queue_by_id(id, fx);
+                }
+            }
+            Op::Bind {
+                vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            } => {
+                let dest = self.resolve_dest(vhost, destination)?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                if let Some(x) = v.exchanges.get_mut(source) {
+                    x.bind(dest, routing_key.clone(), arguments);
+                }
+            }
+            Op::Unbind {
+                vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            } => {
+                let dest = self.resolve_dest(vhost, destination)?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                let mut auto_delete = false;
+                if let Some(x) = v.exchanges.get_mut(source) {
+                    if x.unbind(&dest, routing_key, &arguments) {
+                        auto_delete = x.auto_delete && x.bindings.is_empty();
+                    }
+                }
+                if auto_delete {
+                    self.apply(
+                        &Op::DeleteExchange {
+                            vhost: vhost.clone(),
+                            name: source.clone(),
+                        },
+                        fx,
+                    )?;
+                }
+            }
+            Op::Enqueue {
+                vhost,
+                queues,
+                id,
+                exchange,
+                routing_key,
+                properties,
+                body,
+            } => {
+                let parsed = amq_protocol::protocol::basic::parse_properties(&properties[..])
+                    .map(|(_, p)| p)
+                    .map_err(|_| {
+                        AmqpError::new(
+                            warren_protocol::ReplyCode::InternalError,
+                            "bad stored properties",
+                        )
+                    })?;
+                let msg = Arc::new(Message {
+                    exchange: exchange.as_str().into(),
+                    routing_key: routing_key.as_str().into(),
+                    properties: parsed,
+                    raw_properties: properties.clone(),
+                    body: body.clone(),
+                });
+                let v = self.vhost(vhost)?;
+                let ids: Vec<QueueId> = queues
+                    .iter()
+                    .filter_map(|n| v.queues.get(n).copied())
+                    .collect();
+                self.next_message_id = self.next_message_id.max(id + 1);
+                self.enqueue(&ids, *id, msg, fx);
+            }
+            Op::Remove { vhost, queue, ids } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
+                    if let Some(q) = self.queues.get_mut(&qid) {
+                        // Recovery path: drop these ids from the ready list.
+                        let keep: Vec<QueuedMessage> = std::iter::from_fn(|| q.pop())
+                            .filter(|m| !ids.contains(&m.id))
+                            .collect();
+                        for m in keep {
+                            q.push(m);
+                        }
+                    }
+                }
+            }
+            Op::Purge { vhost, queue } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
+                    if let Some(q) = self.queues.get_mut(&qid) {
+                        q.purge();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn resolve_dest(&self, vhost: &str, d: &BindingDest) -> Result<Dest, AmqpError> {
+        Ok(match d {
+            BindingDest::Queue(name) => Dest::Queue(
+                self.vhost(vhost)?
+                    .queues
+                    .get(name)
+                    .copied()
+                    .ok_or_else(|| AmqpError::not_found(format!("no {}", qname(vhost, name))))?,
+            ),
+            BindingDest::Exchange(name) => Dest::Exchange(name.clone()),
+        })
+    }
+
+    // ---------------------------------------------------------------- exchanges
+
+    pub fn exchange_declare(
+        &mut self,
+        vhost: &str,
+        d: ExchangeDeclare,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        if d.name.is_empty() {
+            return Err(AmqpError::access_refused(
+                "operation not permitted on the default exchange",
+            ));
+        }
+        let v = self.vhost(vhost)?;
+        if d.passive {
+            return match v.exchanges.get(&d.name) {
+                Some(_) => Ok(()),
+                None => Err(AmqpError::not_found(format!("no {}", xname(vhost, &d.name)))),
+            };
+        }
+        let Some(kind) = ExchangeKind::parse(&d.kind) else {
+            return Err(AmqpError::command_invalid(format!(
+                "unknown exchange type '{}'",
+                d.kind
+            )));
+        };
+        if d.name.starts_with("amq.") {
+            return Err(AmqpError::access_refused(format!(
+                "exchange name '{}' contains reserved prefix 'amq.*'",
+                d.name
+            )));
+        }
+        if let Some(x) = v.exchanges.get(&d.name) {
+            let what = xname(vhost, &d.name);
+            let check = |arg: &str, received: String, current: String| {
+                if received == current {
+                    Ok(())
+                } else {
+                    Err(AmqpError::precondition_failed(format!(
+                        "inequivalent arg '{arg}' for {what}: received '{received}' but current is '{current}'"
+                    )))
+                }
+            };
+            check("type", d.kind.clone(), x.kind.as_str().to_string())?;
+            check("durable", d.durable.to_string(), x.durable.to_string())?;
+            check(
+                "auto_delete",
+                d.auto_delete.to_string(),
+                x.auto_delete.to_string(),
+            )?;
+            check("internal", d.internal.to_string(), x.internal.to_string())?;
+            let (a, b) = (
+                d.arguments.inner().get("alternate-exchange"),
+                x.arguments.inner().get("alternate-exchange"),
+            );
+            if !values_equivalent(a, b) {
+                return Err(AmqpError::precondition_failed(format!(
+                    "inequivalent arg 'alternate-exchange' for {what}: received {} but current is {}",
+                    show_value(a),
+                    show_value(b)
+                )));
+            }
+            return Ok(());
+        }
+        self.apply(
+            &Op::DeclareExchange {
+                vhost: vhost.to_string(),
+                name: d.name,
+                kind: kind.as_str().to_string(),
+                durable: d.durable,
+                auto_delete: d.auto_delete,
+                internal: d.internal,
+                arguments: encode_table(&d.arguments),
+            },
+            fx,
+        )
+    }
+
+    pub fn exchange_delete(
+        &mut self,
+        vhost: &str,
+        name: &str,
+        if_unused: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        if name.is_empty() {
+            return Err(AmqpError::access_refused(
+                "operation not permitted on the default exchange",
+            ));
+        }
+        if name.starts_with("amq.") {
+            return Err(AmqpError::access_refused(format!(
+                "deletion of system {} not allowed",
+                xname(vhost, name)
+            )));
+        }
+        let v = self.vhost(vhost)?;
+        let Some(x) = v.exchanges.get(name) else {
+            return Err(AmqpError::not_found(format!("no {}", xname(vhost, name))));
+        };
+        if if_unused && !x.bindings.is_empty() {
+            return Err(AmqpError::precondition_failed(format!(
+                "{} in use",
+                xname(vhost, name)
+            )));
+        }
+        self.apply(
+            &Op::DeleteExchange {
+                vhost: vhost.to_string(),
+                name: name.to_string(),
+            },
+            fx,
+        )
+    }
+
+    /// exchange.bind / exchange.unbind (RabbitMQ's exchange-to-exchange bindings).
+    pub fn exchange_bind(
+        &mut self,
+        vhost: &str,
+        destination: &str,
+        source: &str,
+        routing_key: &str,
+        arguments: &FieldTable,
+        bind: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        if source.is_empty() || destination.is_empty() {
+            return Err(AmqpError::access_refused(
+                "operation not permitted on the default exchange",
+            ));
+        }
+        let v = self.vhost(vhost)?;
+        for x in [destination, source] {
+            if !v.exchanges.contains_key(x) {
+                return Err(AmqpError::not_found(format!("no {}", xname(vhost, x))));
+            }
+        }
+        let op_dest = BindingDest::Exchange(destination.to_string());
+        let (routing_key, arguments) = (routing_key.to_string(), encode_table(arguments));
+        let op = if bind {
+            Op::Bind {
+                vhost: vhost.to_string(),
+                source: source.to_string(),
+                destination: op_dest,
+                routing_key,
+                arguments,
+            }
+        } else {
+            Op::Unbind {
+                vhost: vhost.to_string(),
+                source: source.to_string(),
+                destination: op_dest,
+                routing_key,
+                arguments,
+            }
+        };
+        self.apply(&op, fx)
+    }
+
+    // ---------------------------------------------------------------- queues
+
+    fn queue_id(&self, vhost: &str, name: &str) -> Result<QueueId, AmqpError> {
+        self.vhost(vhost)?
+            .queues
+            .get(name)
+            .copied()
+            .ok_or_else(|| AmqpError::not_found(format!("no {}", qname(vhost, name))))
+    }
+
+    /// A queue this connection may use: exists, and is not another connection's exclusive queue.
+    fn usable_queue(&self, conn: ConnId, vhost: &str, name: &str) -> Result<QueueId, AmqpError> {
+        let id = self.queue_id(vhost, name)?;
+        self.check_exclusive(conn, id)?;
+        Ok(id)
+    }
+
+    fn check_exclusive(&self, conn: ConnId, id: QueueId) -> Result<(), AmqpError> {
+        if let Some(q) = self.queues.get(&id) {
+            if q.exclusive && q.owner != Some(conn) {
+                return Err(AmqpError::resource_locked(format!(
+                    "cannot obtain exclusive access to locked {}. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration.",
+                    qname(&q.vhost, &q.name)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn info(&self, id: QueueId) -> QueueInfo {
+        let q = &self.queues[&id];
+        QueueInfo {
+            name: q.name.clone(),
+            message_count: q.message_count() as u32,
+            consumer_count: q.consumers.len() as u32,
+        }
+    }
+
+    pub fn queue_declare(
+        &mut self,
+        conn: ConnId,
+        vhost: &str,
+        mut d: QueueDeclare,
+        fx: &mut Vec<Effect>,
+    ) -> Result<QueueInfo, AmqpError> {
+        if d.passive {
+            // RabbitMQ: a passive declare with an empty name names the channel's last queue;
+            // the caller resolves that before calling us.
+            let id = self.usable_queue(conn, vhost, &d.name)?;
+            return Ok(self.info(id));
+        }
+        if d.name.is_empty() {
+            d.name = random_name("amq.gen-");
+        } else if d.name.starts_with("amq.") {
+            return Err(AmqpError::access_refused(format!(
+                "queue name '{}' contains reserved prefix 'amq.*'",
+                d.name
+            )));
+        }
+        if let Some(&id) = self.vhost(vhost)?.queues.get(&d.name) {
+            self.check_exclusive(conn, id)?;
+            let q = &self.queues[&id];
+            let what = qname(vhost, &d.name);
+            for (arg, received, current) in [
+                ("durable", d.durable, q.durable),
+                ("auto_delete", d.auto_delete, q.auto_delete),
+            ] {
+                if received != current {
+                    return Err(AmqpError::precondition_failed(format!(
+                        "inequivalent arg '{arg}' for {what}: received '{received}' but current is '{current}'"
+                    )));
+                }
+            }
+            if d.exclusive != q.exclusive {
+                return Err(AmqpError::resource_locked(format!(
+                    "cannot obtain exclusive access to locked {what}. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
+                )));
+            }
+            for key in COMPARED_QUEUE_ARGS {
+                let (a, b) = (
+                    d.arguments.inner().get(*key),
+                    q.arguments.inner().get(*key),
+                );
+                if !values_equivalent(a, b) {
+                    return Err(AmqpError::precondition_failed(format!(
+                        "inequivalent arg '{key}' for {what}: received {} but current is {}",
+                        show_value(a),
+                        show_value(b)
+                    )));
+                }
+            }
+            return Ok(self.info(id));
+        }
+        let name = d.name.clone();
+        self.apply(
+            &Op::DeclareQueue {
+                vhost: vhost.to_string(),
+                name: d.name,
+                durable: d.durable,
+                exclusive: d.exclusive,
+                auto_delete: d.auto_delete,
+                arguments: encode_table(&d.arguments),
+            },
+            fx,
+        )?;
+        let id = self.queue_id(vhost, &name)?;
+        if d.exclusive {
+            if let Some(q) = self.queues.get_mut(&id) {
+                q.owner = Some(conn);
+            }
+        }
+        Ok(self.info(id))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn queue_bind(
+        &mut self,
+        conn: ConnId,
+        vhost: &str,
+        queue: &str,
+        exchange: &str,
+        routing_key: &str,
+        arguments: &FieldTable,
+        bind: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        if exchange.is_empty() {
+            return Err(AmqpError::access_refused(format!(
+                "operation not permitted on the default exchange"
+            )));
+        }
+        self.usable_queue(conn, vhost, queue)?;
+        if !self.vhost(vhost)?.exchanges.contains_key(exchange) {
+            return Err(AmqpError::not_found(format!("no {}", xname(vhost, exchange))));
+        }
+        let dest = BindingDest::Queue(queue.to_string());
+        let (routing_key, arguments) = (routing_key.to_string(), encode_table(arguments));
+        let op = if bind {
+            Op::Bind {
+                vhost: vhost.to_string(),
+                source: exchange.to_string(),
+                destination: dest,
+                routing_key,
+                arguments,
+            }
+        } else {
+            Op::Unbind {
+                vhost: vhost.to_string(),
+                source: exchange.to_string(),
+                destination: dest,
+                routing_key,
+                arguments,
+            }
+        };
+        self.apply(&op, fx)
+    }
+
+    pub fn queue_purge(
+        &mut self,
+        conn: ConnId,
+        vhost: &str,
+        queue: &str,
+        fx: &mut Vec<Effect>,
+    ) -> Result<u32, AmqpError> {
+        let id = self.usable_queue(conn, vhost, queue)?;
+        let count = self.queues[&id].message_count() as u32;
+        self.apply(
+            &Op::Purge {
+                vhost: vhost.to_string(),
+                queue: queue.to_string(),
+            },
+            fx,
+        )?;
+        Ok(count)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn queue_delete(
+        &mut self,
+        conn: ConnId,
+        vhost: &str,
+        queue: &str,
+        if_unused: bool,
+        if_empty: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<u32, AmqpError> {
+        let id = match self.queue_id(vhost, queue) {
+            Ok(id) => id,
+            // RabbitMQ answers delete-ok for a queue that does not exist.
+            Err(_) => return Ok(0),
+        };
+        self.check_exclusive(conn, id)?;
+        let q = &self.queues[&id];
+        if if_unused && !q.consumers.is_empty() {
+            return Err(AmqpError::precondition_failed(format!(
+                "{} in use",
+                qname(vhost, queue)
+            )));
+        }
+        if if_empty && !q.is_empty() {
+            return Err(AmqpError::precondition_failed(format!(
+                "{} not empty",
+                qname(vhost, queue)
+            )));
+        }
+        let count = q.message_count() as u32;
+        self.apply(
+            &Op::DeleteQueue {
+                vhost: vhost.to_string(),
+                name: queue.to_string(),
+            },
+            fx,
+        )?;
+        Ok(count)
+    }
+
+    /// Remove a queue: its bindings, its consumers (who are told), its messages.
+    fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        let Some(q) = self.queues.remove(&id) else {
+            return;
+        };
+        let mut emptied: Vec<String> = Vec::new();
+        if let Some(v) = self.vhosts.get_mut(&q.vhost) {
+            v.queues.remove(&q.name);
+            for x in v.exchanges.values_mut() {
+                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty()
+                {
+                    emptied.push(x.name.clone());
+                }
+            }
+        }
+        for key in q.consumers {
+            if let Some(ch) = self
+                .conns
+                .get_mut(&key.conn)
+                .and_then(|c| c.channels.get_mut(&key.channel))
+            {
+                if let Some(pos) = ch.consumers.iter().position(|c| *c.tag == *key.tag) {
+                    let c = ch.consumers.remove(pos);
+                    fx.push(Effect::ConsumerCancelled {
+                        conn: key.conn,
+                        channel: key.channel,
+                        consumer_tag: c.tag,
+                    });
+                }
+            }
+        }
+        for name in emptied {
+            let _ = self.apply(
+                &Op::DeleteExchange {
+                    vhost: q.vhost.clone(),
+                    name,
+                },
+                fx,
+            );
+        }
+    }
+
+    // ---------------------------------------------------------------- publish
+
+    /// Route a message from `exchange` and enqueue it. Returns the number of queues it reached.
+    pub fn publish(
+        &mut self,
+        vhost: &str,
+        msg: Arc<Message>,
+        fx: &mut Vec<Effect>,
+    ) -> Result<usize, AmqpError> {
+        let targets = self.route(vhost, msg.exchange.as_str(), &msg)?;
+        let id = self.next_message_id;
+        self.next_message_id += 1;
+        self.enqueue(&targets, id, msg, fx);
+        Ok(targets.len())
+    }
+
+    /// The queues a message goes to (each once), following exchange-to-exchange bindings.
+    pub fn route(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        msg: &Message,
+    ) -> Result<Vec<QueueId>, AmqpError> {
+        let v = self.vhost(vhost)?;
+        let Some(x) = v.exchanges.get(exchange) else {
+            return Err(AmqpError::not_found(format!("no {}", xname(vhost, exchange))));
+        };
+        if x.internal {
+            return Err(AmqpError::access_refused(format!(
+                "cannot publish to internal {}",
+                xname(vhost, exchange)
+            )));
+        }
+        let key = msg.routing_key.as_str();
+        let mut queues: Vec<QueueId> = Vec::new();
+        if exchange.is_empty() {
+            if let Some(&id) = v.queues.get(key) {
+                queues.push(id);
+            }
+            return Ok(queues);
+        }
+        let headers = msg.properties.headers().as_ref();
+        let mut visited: Vec<&str> = vec![exchange];
+        let mut pending: Vec<&Exchange> = vec![x];
+        let mut dests: Vec<&Dest> = Vec::new();
+        while let Some(x) = pending.pop() {
+            dests.clear();
+            x.route(key, headers, &mut dests);
+            for d in dests.iter() {
+                match d {
+                    Dest::Queue(id) => queues.push(*id),
+                    Dest::Exchange(name) => {
+                        // Cycles in exchange-to-exchange bindings are cut here.
+                        if !visited.contains(&name.as_str()) {
+                            if let Some(next) = v.exchanges.get(name) {
+                                visited.push(next.name.as_str());
+                                pending.push(next);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        queues.sort_unstable();
+        queues.dedup();
+        Ok(queues)
+    }
+
+    fn enqueue(&mut self, targets: &[QueueId], id: u64, msg: Arc<Message>, fx: &mut Vec<Effect>) {
+        for qid in targets {
+            if let Some(q) = self.queues.get_mut(qid) {
+                q.push(QueuedMessage {
+                    id,
+                    msg: msg.clone(),
+                    redelivered: false,
+                });
+            }
+            self.dispatch(*qid, fx);
+        }
+    }
+
+    // ---------------------------------------------------------------- consumers
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn consume(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        vhost: &str,
+        queue: &str,
+        tag: &str,
+        no_ack: bool,
+        exclusive: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<String, AmqpError> {
+        let id = self.usable_queue(conn, vhost, queue)?;
+        let tag = if tag.is_empty() {
+            random_name("amq.ctag-")
+        } else {
+            tag.to_string()
+        };
+        let state = self.channel(conn, ch)?;
+        if state.consumers.iter().any(|c| *c.tag == *tag) {
+            return Err(AmqpError::not_allowed(format!(
+                "attempt to reuse consumer tag '{tag}'"
+            )));
+        }
+        let q = &self.queues[&id];
+        if q.exclusive_consumer.is_some() || (exclusive && !q.consumers.is_empty()) {
+            return Err(AmqpError::access_refused(format!(
+                "{} in exclusive use",
+                qname(vhost, queue)
+            )));
+        }
+        let state = self.channel(conn, ch)?;
+        let prefetch = state.prefetch_consumer;
+        let arc_tag: Arc<str> = Arc::from(tag.as_str());
+        state.consumers.push(Consumer {
+            tag: arc_tag,
+            queue: id,
+            no_ack,
+            prefetch,
+            unacked: 0,
+        });
+        let key = ConsumerKey {
+            conn,
+            channel: ch,
+            tag: tag.clone(),
+        };
+        if let Some(q) = self.queues.get_mut(&id) {
+            if exclusive {
+                q.exclusive_consumer = Some(key.clone());
+            }
+            q.consumers.push(key);
+            q.had_consumers = true;
+        }
+        self.dispatch(id, fx);
+        Ok(tag)
+    }
+
+    /// basic.cancel; returns whether the consumer existed.
+    pub fn cancel(&mut self, conn: ConnId, ch: u16, tag: &str, fx: &mut Vec<Effect>) -> bool {
+        let Ok(state) = self.channel(conn, ch) else {
+            return false;
+        };
+        let Some(pos) = state.consumers.iter().position(|c| &*c.tag == tag) else {
+            return false;
+        };
+        let c = state.consumers.remove(pos);
+        // Its unacked messages stay unacked on the channel (as in RabbitMQ); they no longer count
+        // against a consumer limit.
+        let key = ConsumerKey {
+            conn,
+            channel: ch,
+            tag: tag.to_string(),
+        };
+        if let Some(q) = self.queues.get_mut(&c.queue) {
+            q.remove_consumer(&key);
+        }
+        self.after_consumer_change(c.queue, fx);
+        true
+    }
+
+    /// basic.qos. prefetch_size must be 0 (the caller checks).
+    pub fn qos(&mut self, conn: ConnId, ch: u16, count: u16, global: bool, fx: &mut Vec<Effect>) {
+        let Ok(state) = self.channel(conn, ch) else {
+            return;
+        };
+        if global {
+            state.prefetch_channel = count;
+        } else {
+            state.prefetch_consumer = count;
+        }
+        let queues: Vec<QueueId> = state.consumers.iter().map(|c| c.queue).collect();
+        for q in queues {
+            self.dispatch(q, fx);
+        }
+    }
+
+    /// channel.flow from the client.
+    pub fn flow(&mut self, conn: ConnId, ch: u16, active: bool, fx: &mut Vec<Effect>) {
+        let Ok(state) = self.channel(conn, ch) else {
+            return;
+        };
+        state.flow = active;
+        if active {
+            let queues: Vec<QueueId> = state.consumers.iter().map(|c| c.queue).collect();
+            for q in queues {
+                self.dispatch(q, fx);
+            }
+        }
+    }
+
+    /// The connection's writer flushed `bytes`: give them back to its delivery budget and resume
+    /// deliveries that were held back.
+    pub fn refill(&mut self, conn: ConnId, bytes: usize, fx: &mut Vec<Effect>) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        c.budget = (c.budget + bytes as i64).min(DELIVERY_BUDGET);
+        if c.throttled && c.budget > 0 {
+            c.throttled = false;
+            let mut queues: Vec<QueueId> = c
+                .channels
+                .values()
+                .flat_map(|s| s.consumers.iter().map(|c| c.queue))
+                .collect();
+            queues.sort_unstable();
+            queues.dedup();
+            for q in queues {
+                self.dispatch(q, fx);
+            }
+        }
+    }
+
+    /// Hand ready messages of a queue to consumers with credit, round-robin.
+    fn dispatch(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        let Broker { queues, conns, .. } = self;
+        let Some(q) = queues.get_mut(&id) else {
+            return;
+        };
+        while !q.is_empty() && !q.consumers.is_empty() {
+            let n = q.consumers.len();
+            let mut chosen = None;
+            for i in 0..n {
+                let idx = (q.next + i) % n;
+                let key = &q.consumers[idx];
+                let Some(conn) = conns.get(&key.conn) else {
+                    continue;
+                };
+                if conn.budget <= 0 {
+                    continue;
+                }
+                let Some(ch) = conn.channels.get(&key.channel) else {
+                    continue;
+                };
+                if !ch.flow {
+                    continue;
+                }
+                let Some(c) = ch.consumers.iter().find(|c| *c.tag == *key.tag) else {
+                    continue;
+                };
+                if !c.no_ack {
+                    if c.prefetch > 0 && c.unacked >= c.prefetch as u32 {
+                        continue;
+                    }
+                    if ch.prefetch_channel > 0 && ch.consumer_unacked >= ch.prefetch_channel as u32
+                    {
+                        continue;
+                    }
+                }
+                chosen = Some(idx);
+                break;
+            }
+            let Some(idx) = chosen else {
+                break;
+            };
+            q.next = (idx + 1) % n;
+            let key = q.consumers[idx].clone();
+            let Some(qm) = q.pop() else {
+                break;
+            };
+            let Some(conn) = conns.get_mut(&key.conn) else {
+                break;
+            };
+            conn.budget -= (qm.msg.body.len() + qm.msg.raw_properties.len() + 128) as i64;
+            if conn.budget <= 0 && !conn.throttled {
+                conn.throttled = true;
+                fx.push(Effect::Throttled(key.conn));
+            }
+            let Some(ch) = conn.channels.get_mut(&key.channel) else {
+                break;
+            };
+            let tag = ch.next_tag;
+            ch.next_tag += 1;
+            let Some(c) = ch.consumers.iter_mut().find(|c| *c.tag == *key.tag) else {
+                break;
+            };
+            let consumer_tag = c.tag.clone();
+            let redelivered = qm.redelivered;
+            let msg = qm.msg.clone();
+            if !c.no_ack {
+                c.unacked += 1;
+                ch.consumer_unacked += 1;
+                q.unacked += 1;
+                ch.unacked.insert(
+                    tag,
+                    Unacked {
+                        queue: id,
+                        qm,
+                        consumer: Some(consumer_tag.clone()),
+                    },
+                );
+            }
+            fx.push(Effect::Deliver {
+                conn: key.conn,
+                channel: key.channel,
+                consumer_tag,
+                delivery_tag: tag,
+                redelivered,
+                msg,
+            });
+        }
+    }
+
+    // ---------------------------------------------------------------- get, ack, reject
+
+    pub fn get(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        vhost: &str,
+        queue: &str,
+        no_ack: bool,
+    ) -> Result<Option<GetResult>, AmqpError> {
+        let id = self.usable_queue(conn, vhost, queue)?;
+        let Broker { queues, conns, .. } = self;
+        let Some(q) = queues.get_mut(&id) else {
+            return Ok(None);
+        };
+        let state = conns
+            .get_mut(&conn)
+            .and_then(|c| c.channels.get_mut(&ch))
+            .ok_or_else(|| AmqpError::channel_error(format!("channel {ch} is not open")))?;
+        let Some(qm) = q.pop() else {
+            return Ok(None);
+        };
+        let tag = state.next_tag;
+        state.next_tag += 1;
+        let result = GetResult {
+            delivery_tag: tag,
+            redelivered: qm.redelivered,
+            msg: qm.msg.clone(),
+            message_count: q.message_count() as u32,
+        };
+        if !no_ack {
+            q.unacked += 1;
+            state.unacked.insert(
+                tag,
+                Unacked {
+                    queue: id,
+                    qm,
+                    consumer: None,
+                },
+            );
+        }
+        Ok(Some(result))
+    }
+
+    /// Take acknowledged (or rejected) deliveries off a channel. `tag` 0 with `multiple` means
+    /// all of them. Unknown tags are 406, as in RabbitMQ.
+    fn take_unacked(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        tag: u64,
+        multiple: bool,
+    ) -> Result<Vec<Unacked>, AmqpError> {
+        let state = self.channel(conn, ch)?;
+        let taken: Vec<Unacked> = if multiple {
+            let upto = if tag == 0 { u64::MAX } else { tag };
+            if tag != 0 && !state.unacked.contains_key(&tag) {
+                return Err(AmqpError::precondition_failed(format!(
+                    "unknown delivery tag {tag}"
+                )));
+            }
+            let keys: Vec<u64> = state.unacked.range(..=upto).map(|(k, _)| *k).collect();
+            keys.iter()
+                .filter_map(|k| state.unacked.remove(k))
+                .collect()
+        } else {
+            match state.unacked.remove(&tag) {
+                Some(u) => vec![u],
+                None => {
+                    return Err(AmqpError::precondition_failed(format!(
+                        "unknown delivery tag {tag}"
+                    )))
+                }
+            }
+        };
+        for u in &taken {
+            if let Some(c) = &u.consumer {
+                state.consumer_unacked -= 1;
+                if let Some(c) = state.consumers.iter_mut().find(|x| x.tag == *c) {
+                    c.unacked -= 1;
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// basic.ack.
+    pub fn ack(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        tag: u64,
+        multiple: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        let taken = self.take_unacked(conn, ch, tag, multiple)?;
+        let mut touched: Vec<QueueId> = Vec::with_capacity(1);
+        for u in taken {
+            if let Some(q) = self.queues.get_mut(&u.queue) {
+                q.unacked -= 1;
+            }
+            if !touched.contains(&u.queue) {
+                touched.push(u.queue);
+            }
+        }
+        for id in touched {
+            self.dispatch(id, fx);
+        }
+        Ok(())
+    }
+
+    /// basic.nack / basic.reject: requeue at the original place, or drop.
+    pub fn reject(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        tag: u64,
+        multiple: bool,
+        requeue: bool,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        let taken = self.take_unacked(conn, ch, tag, multiple)?;
+        let mut touched: Vec<QueueId> = Vec::with_capacity(1);
+        for u in taken.into_iter().rev() {
+            if let Some(q) = self.queues.get_mut(&u.queue) {
+                q.unacked -= 1;
+                if requeue {
+                    q.requeue(u.qm);
+                }
+            }
+            if !touched.contains(&u.queue) {
+                touched.push(u.queue);
+            }
+        }
+        for id in touched {
+            self.dispatch(id, fx);
+        }
+        Ok(())
+    }
+
+    /// basic.recover(requeue=true): everything unacked on the channel goes back.
+    pub fn recover(&mut self, conn: ConnId, ch: u16, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        self.reject(conn, ch, 0, true, true, fx)
+    }
+
+    // ---------------------------------------------------------------- introspection
+
+    pub fn queue_info(&self, vhost: &str, name: &str) -> Option<QueueInfo> {
+        let id = self.queue_id(vhost, name).ok()?;
+        Some(self.info(id))
+    }
+
+    pub fn exchange_exists(&self, vhost: &str, name: &str) -> bool {
+        self.vhosts
+            .get(vhost)
+            .is_some_and(|v| v.exchanges.contains_key(name))
+    }
+
+    pub fn connection_vhost(&self, conn: ConnId) -> Option<&str> {
+        self.conns.get(&conn).map(|c| c.vhost.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,324 @@
+//! Core tests: no sockets, no runtime. They drive the broker as a connection handler would.
+
+use super::*;
+use warren_protocol::ReplyCode;
+
+fn msg(exchange: &str, key: &str, body: &str) -> Arc<Message> {
+    Arc::new(Message {
+        exchange: exchange.into(),
+        routing_key: key.into(),
+        properties: AMQPProperties::default(),
+        raw_properties: Bytes::from_static(&[0, 0]),
+        body: Bytes::copy_from_slice(body.as_bytes()),
+    })
+}
+
+fn declare(b: &mut Broker, conn: ConnId, name: &str) -> String {
+    b.queue_declare(
+        conn,
+        "/",
+        QueueDeclare {
+            name: name.into(),
+            ..Default::default()
+        },
+        &mut Vec::new(),
+    )
+    .unwrap()
+    .name
+}
+
+fn delivered(fx: &[Effect]) -> Vec<(String, u64, bool, String)> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Deliver {
+                consumer_tag,
+                delivery_tag,
+                redelivered,
+                msg,
+                ..
+            } => Some((
+                consumer_tag.to_string(),
+                *delivery_tag,
+                *redelivered,
+                String::from_utf8_lossy(&msg.body).into_owned(),
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+fn setup() -> (Broker, ConnId) {
+    let mut b = Broker::new();
+    let c = b.connection_open("/");
+    b.channel_open(c, 1);
+    (b, c)
+}
+
+#[test]
+fn round_robin_and_prefetch() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    b.qos(c, 1, 1, false, &mut fx);
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "b", false, false, &mut fx).unwrap();
+    for i in 0..4 {
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+    }
+    let d = delivered(&fx);
+    assert_eq!(
+        d.iter().map(|x| (x.0.as_str(), x.3.as_str())).collect::<Vec<_>>(),
+        vec![("a", "0"), ("b", "1")],
+        "prefetch 1 each, round robin"
+    );
+    assert_eq!(b.queue_info("/", "q").unwrap().message_count, 2);
+    fx.clear();
+    b.ack(c, 1, d[0].1, false, &mut fx).unwrap();
+    assert_eq!(delivered(&fx)[0].0, "a");
+    assert_eq!(delivered(&fx)[0].3, "2");
+}
+
+#[test]
+fn channel_limit_is_shared_by_its_consumers() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    b.qos(c, 1, 3, true, &mut fx);
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "b", false, false, &mut fx).unwrap();
+    for i in 0..10 {
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+    }
+    assert_eq!(delivered(&fx).len(), 3);
+}
+
+#[test]
+fn requeued_messages_return_to_their_place_marked_redelivered() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    for i in 0..5 {
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+    }
+    let g1 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
+    let g2 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
+    assert_eq!(g2.message_count, 3);
+    b.reject(c, 1, g2.delivery_tag, false, true, &mut fx).unwrap();
+    b.reject(c, 1, g1.delivery_tag, false, true, &mut fx).unwrap();
+    let mut order = Vec::new();
+    while let Some(g) = b.get(c, 1, "/", "q", true).unwrap() {
+        order.push((String::from_utf8_lossy(&g.msg.body).into_owned(), g.redelivered));
+    }
+    assert_eq!(
+        order,
+        vec![
+            ("0".into(), true),
+            ("1".into(), true),
+            ("2".into(), false),
+            ("3".into(), false),
+            ("4".into(), false)
+        ]
+    );
+}
+
+#[test]
+fn closing_a_channel_requeues_in_order() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
+    for i in 0..3 {
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+    }
+    assert_eq!(delivered(&fx).len(), 3);
+    b.channel_close(c, 1, &mut fx);
+    assert_eq!(b.queue_info("/", "q").unwrap().message_count, 3);
+    assert_eq!(b.queue_info("/", "q").unwrap().consumer_count, 0);
+}
+
+#[test]
+fn unknown_delivery_tag_is_406() {
+    let (mut b, c) = setup();
+    let e = b.ack(c, 1, 42, false, &mut Vec::new()).unwrap_err();
+    assert_eq!(e.code, ReplyCode::PreconditionFailed);
+    assert_eq!(e.text, "PRECONDITION_FAILED - unknown delivery tag 42");
+}
+
+#[test]
+fn exclusive_queues_belong_to_their_connection() {
+    let (mut b, c) = setup();
+    let other = b.connection_open("/");
+    b.channel_open(other, 1);
+    let mut fx = Vec::new();
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "ex".into(),
+            exclusive: true,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let e = b
+        .consume(other, 1, "/", "ex", "", false, false, &mut fx)
+        .unwrap_err();
+    assert_eq!(e.code, ReplyCode::ResourceLocked);
+    b.connection_close(c, &mut fx);
+    assert!(b.queue_info("/", "ex").is_none());
+}
+
+#[test]
+fn auto_delete_queue_goes_with_its_last_consumer() {
+    let (mut b, c) = setup();
+    let mut fx = Vec::new();
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "ad".into(),
+            auto_delete: true,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    b.consume(c, 1, "/", "ad", "t1", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "ad", "t2", false, false, &mut fx).unwrap();
+    assert!(b.cancel(c, 1, "t1", &mut fx));
+    assert!(b.queue_info("/", "ad").is_some());
+    assert!(b.cancel(c, 1, "t2", &mut fx));
+    assert!(b.queue_info("/", "ad").is_none());
+}
+
+#[test]
+fn redeclare_with_other_properties_is_406() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let e = b
+        .queue_declare(
+            c,
+            "/",
+            QueueDeclare {
+                name: "q".into(),
+                durable: true,
+                ..Default::default()
+            },
+            &mut Vec::new(),
+        )
+        .unwrap_err();
+    assert_eq!(e.code, ReplyCode::PreconditionFailed);
+    assert_eq!(
+        e.text,
+        "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'"
+    );
+}
+
+#[test]
+fn exchange_to_exchange_routing_cuts_cycles_and_delivers_once() {
+    let (mut b, c) = setup();
+    let mut fx = Vec::new();
+    for (name, kind) in [("x1", "fanout"), ("x2", "fanout")] {
+        b.exchange_declare(
+            "/",
+            ExchangeDeclare {
+                name: name.into(),
+                kind: kind.into(),
+                ..Default::default()
+            },
+            &mut fx,
+        )
+        .unwrap();
+    }
+    declare(&mut b, c, "q");
+    let args = FieldTable::default();
+    b.exchange_bind("/", "x2", "x1", "", &args, true, &mut fx).unwrap();
+    b.exchange_bind("/", "x1", "x2", "", &args, true, &mut fx).unwrap();
+    b.queue_bind(c, "/", "q", "x1", "", &args, true, &mut fx).unwrap();
+    b.queue_bind(c, "/", "q", "x2", "", &args, true, &mut fx).unwrap();
+    assert_eq!(b.publish("/", msg("x1", "k", "m"), &mut fx).unwrap(), 1);
+    assert_eq!(b.queue_info("/", "q").unwrap().message_count, 1);
+}
+
+#[test]
+fn deleting_a_queue_cancels_its_consumers() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    b.consume(c, 1, "/", "q", "t", false, false, &mut fx).unwrap();
+    b.queue_delete(c, "/", "q", false, false, &mut fx).unwrap();
+    assert!(fx.iter().any(
+        |e| matches!(e, Effect::ConsumerCancelled { consumer_tag, .. } if &**consumer_tag == "t")
+    ));
+}
+
+#[test]
+fn a_reader_that_stops_is_throttled_then_resumed() {
+    let (mut b, c) = setup();
+    declare(&mut b, c, "q");
+    let mut fx = Vec::new();
+    b.consume(c, 1, "/", "q", "t", true, false, &mut fx).unwrap();
+    let big = "x".repeat(1024 * 1024);
+    for _ in 0..10 {
+        b.publish("/", msg("", "q", &big), &mut fx).unwrap();
+    }
+    let first = delivered(&fx).len();
+    assert!(first < 10, "budget bounds what is handed out: {first}");
+    assert!(fx.iter().any(|e| matches!(e, Effect::Throttled(_))));
+    fx.clear();
+    b.refill(c, DELIVERY_BUDGET as usize, &mut fx);
+    assert!(!delivered(&fx).is_empty());
+}
+
+#[test]
+fn ops_replay_to_the_same_state() {
+    let ops = vec![
+        Op::DeclareExchange {
+            vhost: "/".into(),
+            name: "logs".into(),
+            kind: "topic".into(),
+            durable: true,
+            auto_delete: false,
+            internal: false,
+            arguments: encode_table(&FieldTable::default()),
+        },
+        Op::DeclareQueue {
+            vhost: "/".into(),
+            name: "q".into(),
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: encode_table(&FieldTable::default()),
+        },
+        Op::Bind {
+            vhost: "/".into(),
+            source: "logs".into(),
+            destination: BindingDest::Queue("q".into()),
+            routing_key: "a.#".into(),
+            arguments: encode_table(&FieldTable::default()),
+        },
+        Op::Enqueue {
+            vhost: "/".into(),
+            queues: vec!["q".into()],
+            id: 7,
+            exchange: "logs".into(),
+            routing_key: "a.b".into(),
+            properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"hello"),
+        },
+    ];
+    let mut b = Broker::new();
+    let mut fx = Vec::new();
+    for op in &ops {
+        b.apply(op, &mut fx).unwrap();
+    }
+    assert_eq!(b.queue_info("/", "q").unwrap().message_count, 1);
+    b.publish("/", msg("logs", "a.c", "x"), &mut fx).unwrap();
+    let c = b.connection_open("/");
+    b.channel_open(c, 1);
+    let first = b.get(c, 1, "/", "q", true).unwrap().unwrap();
+    assert_eq!(&first.msg.body[..], b"hello");
+    let second = b.get(c, 1, "/", "q", true).unwrap().unwrap();
+    assert_eq!(&second.msg.body[..], b"x");
+}

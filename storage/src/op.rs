@@ -1,0 +1,97 @@
+//! The state changes of a broker, as values.
+//!
+//! Only add variants at the end: the on-disk encoding (next: RocksDB store) tags each op with its
+//! position, and a tag is never renumbered.
+
+use bytes::Bytes;
+
+/// What a binding points at.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum BindingDest {
+    Queue(String),
+    Exchange(String),
+}
+
+/// One state change. Field tables (`arguments`) and message properties are carried in their AMQP
+/// wire encoding, opaque to the store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    DeclareExchange {
+        vhost: String,
+        name: String,
+        kind: String,
+        durable: bool,
+        auto_delete: bool,
+        internal: bool,
+        arguments: Bytes,
+    },
+    DeleteExchange {
+        vhost: String,
+        name: String,
+    },
+    DeclareQueue {
+        vhost: String,
+        name: String,
+        durable: bool,
+        exclusive: bool,
+        auto_delete: bool,
+        arguments: Bytes,
+    },
+    DeleteQueue {
+        vhost: String,
+        name: String,
+    },
+    Bind {
+        vhost: String,
+        source: String,
+        destination: BindingDest,
+        routing_key: String,
+        arguments: Bytes,
+    },
+    Unbind {
+        vhost: String,
+        source: String,
+        destination: BindingDest,
+        routing_key: String,
+        arguments: Bytes,
+    },
+    /// A message stored in `queues` under broker-wide id `id` (ids only grow; a queue delivers in
+    /// id order, and a requeued message goes back to its id's place).
+    Enqueue {
+        vhost: String,
+        queues: Vec<String>,
+        id: u64,
+        exchange: String,
+        routing_key: String,
+        properties: Bytes,
+        body: Bytes,
+    },
+    /// Messages acknowledged (or dropped) from one queue.
+    Remove {
+        vhost: String,
+        queue: String,
+        ids: Vec<u64>,
+    },
+    Purge {
+        vhost: String,
+        queue: String,
+    },
+}
+
+impl Op {
+    /// Whether a store must persist this op (it touches a durable entity). The broker decides
+    /// durability; this is a convenience for stores that filter.
+    pub fn vhost(&self) -> &str {
+        match self {
+            Op::DeclareExchange { vhost, .. }
+            | Op::DeleteExchange { vhost, .. }
+            | Op::DeclareQueue { vhost, .. }
+            | Op::DeleteQueue { vhost, .. }
+            | Op::Bind { vhost, .. }
+            | Op::Unbind { vhost, .. }
+            | Op::Enqueue { vhost, .. }
+            | Op::Remove { vhost, .. }
+            | Op::Purge { vhost, .. } => vhost,
+        }
+    }
+}
