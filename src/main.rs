@@ -1,1 +1,87 @@
-fn main(){}
+//! The `warren` binary: a thin command line over the library.
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser, Debug)]
+#[command(name = "warren", version, about = "An AMQP 0-9-1 message broker")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    server: ServerArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the broker (the default).
+    Server(ServerArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct ServerArgs {
+    /// Address to accept AMQP connections on.
+    #[arg(long, env = "WARREN_AMQP_LISTEN", default_value = "0.0.0.0:5672")]
+    amqp_listen: SocketAddr,
+    /// Folder for the broker's durable state.
+    #[arg(long, env = "WARREN_DATA_DIR", default_value = "./data")]
+    data_dir: PathBuf,
+    /// Heartbeat interval offered to clients, in seconds (0 disables).
+    #[arg(long, default_value_t = 60)]
+    heartbeat: u16,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            EnvFilter::try_from_env("WARREN_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let args = match cli.command {
+        Some(Command::Server(a)) => a,
+        None => cli.server,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: ServerArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating data folder {}", args.data_dir.display()))?;
+    let config = warren::Config {
+        amqp_listen: args.amqp_listen,
+        data_dir: args.data_dir,
+        heartbeat: args.heartbeat,
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind(config.amqp_listen)
+        .await
+        .with_context(|| format!("binding {}", config.amqp_listen))?;
+    warren::run(listener, config, shutdown_signal()).await
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("signal received");
+}

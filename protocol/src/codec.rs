@@ -8,10 +8,10 @@
 //! amq-protocol's `parse_class` / `parse_content_header`. Body payloads are split off the read
 //! buffer as `Bytes` without a copy.
 
-use amq_protocol::frame::WriteContext;
 use amq_protocol::frame::gen_frame;
 use amq_protocol::frame::parsing::parse_content_header;
-use amq_protocol::protocol::{AMQPClass, basic::AMQPProperties, constants, parse_class};
+use amq_protocol::frame::WriteContext;
+use amq_protocol::protocol::{basic::AMQPProperties, constants, parse_class, AMQPClass};
 use bytes::{Buf, Bytes, BytesMut};
 use tokio_util::codec::Decoder;
 
@@ -261,7 +261,8 @@ impl OutBuffer {
         self.buf.extend_from_slice(&header_size.to_be_bytes());
         self.buf.extend_from_slice(&60u16.to_be_bytes());
         self.buf.extend_from_slice(&0u16.to_be_bytes());
-        self.buf.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        self.buf
+            .extend_from_slice(&(body.len() as u64).to_be_bytes());
         self.buf.extend_from_slice(raw_properties);
         self.buf.push(constants::FRAME_END);
         let chunk = if frame_max == 0 {
@@ -272,7 +273,8 @@ impl OutBuffer {
         for part in body.chunks(chunk) {
             self.buf.push(constants::FRAME_BODY);
             self.buf.extend_from_slice(&channel.to_be_bytes());
-            self.buf.extend_from_slice(&(part.len() as u32).to_be_bytes());
+            self.buf
+                .extend_from_slice(&(part.len() as u32).to_be_bytes());
             self.buf.extend_from_slice(part);
             self.buf.push(constants::FRAME_END);
         }
@@ -431,8 +433,8 @@ mod tests {
         assert_eq!(
             out.as_slice(),
             &[
-                1, 0, 1, 0, 0, 0, 18, 0, 60, 0, 60, 1, b'c', 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1,
-                b'q', 206
+                1, 0, 1, 0, 0, 0, 18, 0, 60, 0, 60, 1, b'c', 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, b'q',
+                206
             ]
         );
     }

@@ -21,7 +21,7 @@ enum State {
     AwaitingHeader(Publish),
     AwaitingBody {
         publish: Publish,
-        properties: AMQPProperties,
+        properties: Box<AMQPProperties>,
         raw_properties: Bytes,
         expected: u64,
         /// First body frame kept as is (the common single-frame case costs no copy).
@@ -89,7 +89,9 @@ impl ContentAssembler {
         if class_id != 60 {
             return Err(AmqpError::connection(
                 ReplyCode::UnexpectedFrame,
-                format!("expected content header for class 60, got one for class {class_id} instead"),
+                format!(
+                    "expected content header for class 60, got one for class {class_id} instead"
+                ),
             )
             .on(PUBLISH.0, PUBLISH.1));
         }
@@ -103,7 +105,7 @@ impl ContentAssembler {
         }
         self.state = State::AwaitingBody {
             publish,
-            properties,
+            properties: Box::new(properties),
             raw_properties,
             expected: body_size,
             first: None,
@@ -172,7 +174,7 @@ impl ContentAssembler {
                 };
                 return Ok(Some(Content {
                     publish,
-                    properties,
+                    properties: *properties,
                     raw_properties,
                     body,
                 }));
@@ -198,7 +200,12 @@ mod tests {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
         assert!(a
-            .header(60, 6, AMQPProperties::default(), Bytes::from_static(&[0, 0]))
+            .header(
+                60,
+                6,
+                AMQPProperties::default(),
+                Bytes::from_static(&[0, 0])
+            )
             .unwrap()
             .is_none());
         assert!(a.body(Bytes::from_static(b"ab")).unwrap().is_none());
@@ -213,7 +220,12 @@ mod tests {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
         let c = a
-            .header(60, 0, AMQPProperties::default(), Bytes::from_static(&[0, 0]))
+            .header(
+                60,
+                0,
+                AMQPProperties::default(),
+                Bytes::from_static(&[0, 0]),
+            )
             .unwrap()
             .unwrap();
         assert!(c.body.is_empty());

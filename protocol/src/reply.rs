@@ -1,6 +1,6 @@
 //! Reply codes, soft (channel) versus hard (connection) errors, and the close methods.
 
-use amq_protocol::protocol::{AMQPClass, channel, connection};
+use amq_protocol::protocol::{channel, connection, AMQPClass};
 use std::fmt;
 
 /// Reply codes of AMQP 0-9-1 (and the names RabbitMQ prints in reply texts).

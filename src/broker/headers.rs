@@ -102,7 +102,10 @@ mod tests {
         assert!(matches(&table(&[("a", s("1"))]), Some(&both)));
         // Integer widths compare by value.
         let int_binding = table(&[("n", AMQPValue::LongInt(5))]);
-        assert!(matches(&int_binding, Some(&table(&[("n", AMQPValue::ShortShortUInt(5))]))));
+        assert!(matches(
+            &int_binding,
+            Some(&table(&[("n", AMQPValue::ShortShortUInt(5))]))
+        ));
     }
 
     #[test]

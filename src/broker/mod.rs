@@ -314,7 +314,14 @@ impl Broker {
         ] {
             exchanges.insert(
                 x.to_string(),
-                Exchange::new(x.to_string(), kind, true, false, false, FieldTable::default()),
+                Exchange::new(
+                    x.to_string(),
+                    kind,
+                    true,
+                    false,
+                    false,
+                    FieldTable::default(),
+                ),
             );
         }
         self.vhosts.insert(
@@ -642,7 +649,10 @@ impl Broker {
         if d.passive {
             return match v.exchanges.get(&d.name) {
                 Some(_) => Ok(()),
-                None => Err(AmqpError::not_found(format!("no {}", xname(vhost, &d.name)))),
+                None => Err(AmqpError::not_found(format!(
+                    "no {}",
+                    xname(vhost, &d.name)
+                ))),
             };
         }
         let Some(kind) = ExchangeKind::parse(&d.kind) else {
@@ -741,6 +751,7 @@ impl Broker {
     }
 
     /// exchange.bind / exchange.unbind (RabbitMQ's exchange-to-exchange bindings).
+    #[allow(clippy::too_many_arguments)]
     pub fn exchange_bind(
         &mut self,
         vhost: &str,
@@ -863,10 +874,7 @@ impl Broker {
                 )));
             }
             for key in COMPARED_QUEUE_ARGS {
-                let (a, b) = (
-                    d.arguments.inner().get(*key),
-                    q.arguments.inner().get(*key),
-                );
+                let (a, b) = (d.arguments.inner().get(*key), q.arguments.inner().get(*key));
                 if !values_equivalent(a, b) {
                     return Err(AmqpError::precondition_failed(format!(
                         "inequivalent arg '{key}' for {what}: received {} but current is {}",
@@ -911,13 +919,16 @@ impl Broker {
         fx: &mut Vec<Effect>,
     ) -> Result<(), AmqpError> {
         if exchange.is_empty() {
-            return Err(AmqpError::access_refused(format!(
-                "operation not permitted on the default exchange"
-            )));
+            return Err(AmqpError::access_refused(
+                "operation not permitted on the default exchange",
+            ));
         }
         self.usable_queue(conn, vhost, queue)?;
         if !self.vhost(vhost)?.exchanges.contains_key(exchange) {
-            return Err(AmqpError::not_found(format!("no {}", xname(vhost, exchange))));
+            return Err(AmqpError::not_found(format!(
+                "no {}",
+                xname(vhost, exchange)
+            )));
         }
         let dest = BindingDest::Queue(queue.to_string());
         let (routing_key, arguments) = (routing_key.to_string(), encode_table(arguments));
@@ -1009,8 +1020,7 @@ impl Broker {
         if let Some(v) = self.vhosts.get_mut(&q.vhost) {
             v.queues.remove(&q.name);
             for x in v.exchanges.values_mut() {
-                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty()
-                {
+                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
                     emptied.push(x.name.clone());
                 }
             }
@@ -1067,7 +1077,10 @@ impl Broker {
     ) -> Result<Vec<QueueId>, AmqpError> {
         let v = self.vhost(vhost)?;
         let Some(x) = v.exchanges.get(exchange) else {
-            return Err(AmqpError::not_found(format!("no {}", xname(vhost, exchange))));
+            return Err(AmqpError::not_found(format!(
+                "no {}",
+                xname(vhost, exchange)
+            )));
         };
         if x.internal {
             return Err(AmqpError::access_refused(format!(
@@ -1488,7 +1501,12 @@ impl Broker {
     }
 
     /// basic.recover(requeue=true): everything unacked on the channel goes back.
-    pub fn recover(&mut self, conn: ConnId, ch: u16, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+    pub fn recover(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
         self.reject(conn, ch, 0, true, true, fx)
     }
 

@@ -60,14 +60,19 @@ fn round_robin_and_prefetch() {
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
     b.qos(c, 1, 1, false, &mut fx);
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
-    b.consume(c, 1, "/", "q", "b", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
+        .unwrap();
+    b.consume(c, 1, "/", "q", "b", false, false, &mut fx)
+        .unwrap();
     for i in 0..4 {
-        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx)
+            .unwrap();
     }
     let d = delivered(&fx);
     assert_eq!(
-        d.iter().map(|x| (x.0.as_str(), x.3.as_str())).collect::<Vec<_>>(),
+        d.iter()
+            .map(|x| (x.0.as_str(), x.3.as_str()))
+            .collect::<Vec<_>>(),
         vec![("a", "0"), ("b", "1")],
         "prefetch 1 each, round robin"
     );
@@ -84,10 +89,13 @@ fn channel_limit_is_shared_by_its_consumers() {
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
     b.qos(c, 1, 3, true, &mut fx);
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
-    b.consume(c, 1, "/", "q", "b", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
+        .unwrap();
+    b.consume(c, 1, "/", "q", "b", false, false, &mut fx)
+        .unwrap();
     for i in 0..10 {
-        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx)
+            .unwrap();
     }
     assert_eq!(delivered(&fx).len(), 3);
 }
@@ -98,16 +106,22 @@ fn requeued_messages_return_to_their_place_marked_redelivered() {
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
     for i in 0..5 {
-        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx)
+            .unwrap();
     }
     let g1 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
     let g2 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
     assert_eq!(g2.message_count, 3);
-    b.reject(c, 1, g2.delivery_tag, false, true, &mut fx).unwrap();
-    b.reject(c, 1, g1.delivery_tag, false, true, &mut fx).unwrap();
+    b.reject(c, 1, g2.delivery_tag, false, true, &mut fx)
+        .unwrap();
+    b.reject(c, 1, g1.delivery_tag, false, true, &mut fx)
+        .unwrap();
     let mut order = Vec::new();
     while let Some(g) = b.get(c, 1, "/", "q", true).unwrap() {
-        order.push((String::from_utf8_lossy(&g.msg.body).into_owned(), g.redelivered));
+        order.push((
+            String::from_utf8_lossy(&g.msg.body).into_owned(),
+            g.redelivered,
+        ));
     }
     assert_eq!(
         order,
@@ -126,9 +140,11 @@ fn closing_a_channel_requeues_in_order() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
+        .unwrap();
     for i in 0..3 {
-        b.publish("/", msg("", "q", &i.to_string()), &mut fx).unwrap();
+        b.publish("/", msg("", "q", &i.to_string()), &mut fx)
+            .unwrap();
     }
     assert_eq!(delivered(&fx).len(), 3);
     b.channel_close(c, 1, &mut fx);
@@ -184,8 +200,10 @@ fn auto_delete_queue_goes_with_its_last_consumer() {
         &mut fx,
     )
     .unwrap();
-    b.consume(c, 1, "/", "ad", "t1", false, false, &mut fx).unwrap();
-    b.consume(c, 1, "/", "ad", "t2", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "ad", "t1", false, false, &mut fx)
+        .unwrap();
+    b.consume(c, 1, "/", "ad", "t2", false, false, &mut fx)
+        .unwrap();
     assert!(b.cancel(c, 1, "t1", &mut fx));
     assert!(b.queue_info("/", "ad").is_some());
     assert!(b.cancel(c, 1, "t2", &mut fx));
@@ -233,10 +251,14 @@ fn exchange_to_exchange_routing_cuts_cycles_and_delivers_once() {
     }
     declare(&mut b, c, "q");
     let args = FieldTable::default();
-    b.exchange_bind("/", "x2", "x1", "", &args, true, &mut fx).unwrap();
-    b.exchange_bind("/", "x1", "x2", "", &args, true, &mut fx).unwrap();
-    b.queue_bind(c, "/", "q", "x1", "", &args, true, &mut fx).unwrap();
-    b.queue_bind(c, "/", "q", "x2", "", &args, true, &mut fx).unwrap();
+    b.exchange_bind("/", "x2", "x1", "", &args, true, &mut fx)
+        .unwrap();
+    b.exchange_bind("/", "x1", "x2", "", &args, true, &mut fx)
+        .unwrap();
+    b.queue_bind(c, "/", "q", "x1", "", &args, true, &mut fx)
+        .unwrap();
+    b.queue_bind(c, "/", "q", "x2", "", &args, true, &mut fx)
+        .unwrap();
     assert_eq!(b.publish("/", msg("x1", "k", "m"), &mut fx).unwrap(), 1);
     assert_eq!(b.queue_info("/", "q").unwrap().message_count, 1);
 }
@@ -246,7 +268,8 @@ fn deleting_a_queue_cancels_its_consumers() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "t", false, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "t", false, false, &mut fx)
+        .unwrap();
     b.queue_delete(c, "/", "q", false, false, &mut fx).unwrap();
     assert!(fx.iter().any(
         |e| matches!(e, Effect::ConsumerCancelled { consumer_tag, .. } if &**consumer_tag == "t")
@@ -258,7 +281,8 @@ fn a_reader_that_stops_is_throttled_then_resumed() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "t", true, false, &mut fx).unwrap();
+    b.consume(c, 1, "/", "q", "t", true, false, &mut fx)
+        .unwrap();
     let big = "x".repeat(1024 * 1024);
     for _ in 0..10 {
         b.publish("/", msg("", "q", &big), &mut fx).unwrap();

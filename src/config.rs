@@ -1,0 +1,42 @@
+//! Broker settings. Everything has a default, so `warren` runs with no config file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub amqp_listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// Offered in connection.tune; the client may lower them.
+    pub channel_max: u16,
+    pub frame_max: u32,
+    pub heartbeat: u16,
+    /// Users that may log in: (name, password). RabbitMQ's default guest/guest.
+    pub users: Vec<(String, String)>,
+    /// Users allowed from loopback addresses only (RabbitMQ's `loopback_users`).
+    pub loopback_users: Vec<String>,
+    /// Largest message body accepted (RabbitMQ's max_message_size default, 128 MiB).
+    pub max_message_size: u64,
+    /// How long a client has to send the protocol header and finish the handshake.
+    pub handshake_timeout: Duration,
+    /// How long shutdown waits for clients to acknowledge connection.close.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            amqp_listen: SocketAddr::from(([0, 0, 0, 0], 5672)),
+            data_dir: PathBuf::from("./data"),
+            channel_max: 2047,
+            frame_max: 131072,
+            heartbeat: 60,
+            users: vec![("guest".into(), "guest".into())],
+            loopback_users: vec!["guest".into()],
+            max_message_size: 128 * 1024 * 1024,
+            handshake_timeout: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(3),
+        }
+    }
+}

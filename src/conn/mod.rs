@@ -1,0 +1,230 @@
+//! One task per socket: protocol header, then a read loop feeding the [`Session`]; a second task
+//! owns the write half and drains the connection's [`Outbox`].
+
+pub mod outbox;
+pub mod session;
+
+use crate::broker::DELIVERY_BUDGET;
+use crate::server::Shared;
+use futures::StreamExt;
+use outbox::Outbox;
+use session::{Next, Session};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::{sleep_until, timeout, Instant};
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use warren_protocol::{FrameCodec, OutBuffer, PROTOCOL_HEADER};
+
+/// Stop reading from a client whose outgoing buffer is this large until the writer catches up
+/// (a client that stops reading must not grow the broker's memory without bound).
+const OUTBOX_HIGH_WATER: usize = 8 * 1024 * 1024;
+
+pub async fn serve(
+    socket: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (mut rd, wr) = socket.into_split();
+    let handshake_deadline = Instant::now() + shared.config.handshake_timeout;
+
+    // Protocol header: anything else gets ours back and the socket closed.
+    let mut header = [0u8; 8];
+    match timeout(shared.config.handshake_timeout, rd.read_exact(&mut header)).await {
+        Ok(Ok(_)) => {}
+        _ => {
+            debug!("no protocol header");
+            return;
+        }
+    }
+    if header != PROTOCOL_HEADER {
+        info!(header = ?header, "unsupported protocol header");
+        let mut wr = wr;
+        let _ = wr.write_all(&PROTOCOL_HEADER).await;
+        let _ = wr.shutdown().await;
+        return;
+    }
+
+    let outbox = Arc::new(Outbox::new(shared.config.frame_max));
+    let writer_done = CancellationToken::new();
+    let writer = tokio::spawn(write_loop(
+        wr,
+        outbox.clone(),
+        shared.clone(),
+        writer_done.clone(),
+    ));
+
+    let mut session = Session::new(shared.clone(), outbox.clone(), peer);
+    session.start();
+    let mut frames = FramedRead::new(rd, FrameCodec::new(shared.config.frame_max));
+    let mut last_recv = Instant::now();
+    // Set when we sent connection.close and wait for close-ok.
+    let mut closing_deadline: Option<Instant> = None;
+
+    loop {
+        if outbox.len() > OUTBOX_HIGH_WATER {
+            tokio::select! {
+                _ = outbox.drained.notified() => {}
+                _ = writer_done.cancelled() => break,
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+            continue;
+        }
+        let heartbeat = session.heartbeat();
+        let deadline = if let Some(d) = closing_deadline {
+            d
+        } else if !session.is_open() {
+            handshake_deadline
+        } else if heartbeat > 0 {
+            // A peer silent for two heartbeat intervals is gone.
+            last_recv + Duration::from_secs(2 * heartbeat as u64)
+        } else {
+            Instant::now() + Duration::from_secs(3600)
+        };
+        tokio::select! {
+            biased;
+            _ = writer_done.cancelled() => break,
+            changed = stop.changed(), if closing_deadline.is_none() => {
+                if changed.is_err() || *stop.borrow() {
+                    session.force_close("broker forced connection closure with reason 'shutdown'");
+                    closing_deadline = Some(Instant::now() + shared.config.shutdown_grace);
+                }
+            }
+            frame = frames.next() => {
+                match frame {
+                    None => break,
+                    Some(Err(e)) => {
+                        debug!(error = %e, "frame error");
+                        session.frame_error(&e);
+                        break;
+                    }
+                    Some(Ok(frame)) => {
+                        last_recv = Instant::now();
+                        let next = session.handle(frame);
+                        if !has_complete_frame(frames.read_buffer()) {
+                            session.flush_confirms();
+                        }
+                        // The negotiated frame_max applies from tune-ok on.
+                        frames.decoder_mut().frame_max = session.frame_max();
+                        match next {
+                            Next::Continue => {}
+                            Next::Closing => {
+                                if closing_deadline.is_none() {
+                                    closing_deadline = Some(Instant::now() + Duration::from_secs(3));
+                                }
+                            }
+                            Next::Close => break,
+                        }
+                    }
+                }
+            }
+            _ = sleep_until(deadline) => {
+                if closing_deadline.is_some() {
+                    debug!("no close-ok in time");
+                } else if !session.is_open() {
+                    info!("handshake timed out");
+                } else {
+                    warn!(heartbeat, "missed heartbeats from client, closing");
+                }
+                break;
+            }
+        }
+    }
+    session.teardown();
+    outbox.close_after_flush();
+    // Give the writer a moment to flush a close frame; then drop everything.
+    if timeout(Duration::from_secs(2), writer).await.is_err() {
+        debug!("writer did not finish");
+    }
+}
+
+/// Whether the read buffer holds at least one whole frame (else we are at the end of what the
+/// client sent in one go, and pending confirms should go out now).
+fn has_complete_frame(buf: &[u8]) -> bool {
+    if buf.len() < 7 {
+        return false;
+    }
+    let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]) as usize;
+    buf.len() >= size + 8
+}
+
+async fn write_loop(
+    mut wr: OwnedWriteHalf,
+    outbox: Arc<Outbox>,
+    shared: Arc<Shared>,
+    done: CancellationToken,
+) {
+    let mut local = OutBuffer::new();
+    let mut last_write = Instant::now();
+    let mut since_refill = 0usize;
+    loop {
+        outbox.take(&mut local);
+        if !local.is_empty() {
+            if let Err(e) = wr.write_all(local.as_slice()).await {
+                debug!(error = %e, "write failed");
+                break;
+            }
+            since_refill += local.len();
+            local.clear();
+            last_write = Instant::now();
+            outbox.drained.notify_waiters();
+            continue;
+        }
+        // Idle: everything handed to us is on the wire. Give the core back its delivery budget
+        // if it ran dry (or a good part of it was used), which resumes held-back deliveries.
+        if outbox.throttled.load(Ordering::Acquire) || since_refill >= DELIVERY_BUDGET as usize / 4
+        {
+            since_refill = 0;
+            refill(&shared, &outbox);
+            if !outbox.is_empty() {
+                continue;
+            }
+        }
+        if outbox.close_after_flush.load(Ordering::Acquire) {
+            break;
+        }
+        let heartbeat = outbox.heartbeat.load(Ordering::Relaxed);
+        let beat_at = last_write + Duration::from_millis(heartbeat as u64 * 500);
+        tokio::select! {
+            _ = outbox.wake.notified() => {}
+            _ = sleep_until(beat_at), if heartbeat > 0 => outbox.heartbeat(),
+        }
+    }
+    let _ = wr.shutdown().await;
+    done.cancel();
+}
+
+fn refill(shared: &Shared, outbox: &Outbox) {
+    let conn = outbox.conn_id.load(Ordering::Acquire);
+    if conn == 0 {
+        return;
+    }
+    let mut fx = Vec::new();
+    let mut broker = shared.broker.lock();
+    // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
+    if outbox.is_empty() {
+        outbox.throttled.store(false, Ordering::Release);
+        broker.refill(conn, DELIVERY_BUDGET as usize, &mut fx);
+        shared.apply_effects(&mut fx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_complete_frame;
+
+    #[test]
+    fn complete_frame_detection() {
+        assert!(!has_complete_frame(&[1, 0, 1, 0, 0, 0]));
+        assert!(!has_complete_frame(&[1, 0, 1, 0, 0, 0, 2, 9, 9]));
+        assert!(has_complete_frame(&[1, 0, 1, 0, 0, 0, 2, 9, 9, 206]));
+    }
+}

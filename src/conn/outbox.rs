@@ -1,0 +1,113 @@
+//! A connection's outgoing bytes: frames are encoded into it by whoever produces them (the
+//! connection's own handlers, or another connection's publish that dispatched a delivery here),
+//! and the connection's writer task swaps the buffer out and writes it in one call.
+//!
+//! Lock order: broker → outbox registry → outbox. The writer takes an outbox lock alone, and
+//! takes the broker lock only while holding no outbox lock.
+
+use crate::broker::Message;
+use amq_protocol::protocol::{basic, AMQPClass};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use tokio::sync::Notify;
+use warren_protocol::OutBuffer;
+
+#[derive(Debug, Default)]
+pub struct Outbox {
+    buf: Mutex<OutBuffer>,
+    /// Bytes buffered, readable without the lock (the reader's backpressure check).
+    len: AtomicUsize,
+    /// Wakes the writer.
+    pub(crate) wake: Notify,
+    /// Wakes a reader waiting for the writer to drain.
+    pub(crate) drained: Notify,
+    /// Negotiated frame_max, for splitting bodies.
+    frame_max: AtomicU32,
+    /// The broker core ran out of delivery budget for this connection; the writer must report
+    /// what it flushed (see `Broker::refill`).
+    pub(crate) throttled: AtomicBool,
+    /// Close the socket once everything buffered is written.
+    pub(crate) close_after_flush: AtomicBool,
+    /// The client takes basic.cancel from the server (capability consumer_cancel_notify).
+    pub(crate) cancel_notify: AtomicBool,
+    /// Negotiated heartbeat in seconds (0 = none); the writer sends one when idle half as long.
+    pub(crate) heartbeat: AtomicU16,
+    /// The broker's id for this connection once connection.open succeeded (0 before).
+    pub(crate) conn_id: AtomicU64,
+}
+
+impl Outbox {
+    pub fn new(frame_max: u32) -> Self {
+        let o = Outbox::default();
+        o.frame_max.store(frame_max, Ordering::Relaxed);
+        o
+    }
+
+    pub fn set_frame_max(&self, frame_max: u32) {
+        self.frame_max.store(frame_max, Ordering::Relaxed);
+    }
+
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn with(&self, f: impl FnOnce(&mut OutBuffer)) {
+        let mut buf = self.buf.lock();
+        f(&mut buf);
+        self.len.store(buf.len(), Ordering::Release);
+        drop(buf);
+        self.wake.notify_one();
+    }
+
+    pub fn method(&self, channel: u16, method: &AMQPClass) {
+        self.with(|b| b.method(channel, method));
+    }
+
+    /// A method followed by the message's content (deliver, get-ok, return).
+    pub fn method_with_content(&self, channel: u16, method: &AMQPClass, msg: &Message) {
+        let frame_max = self.frame_max.load(Ordering::Relaxed);
+        self.with(|b| {
+            b.method(channel, method);
+            b.content(channel, &msg.raw_properties, &msg.body, frame_max);
+        });
+    }
+
+    pub fn deliver(
+        &self,
+        channel: u16,
+        consumer_tag: &str,
+        delivery_tag: u64,
+        redelivered: bool,
+        msg: &Message,
+    ) {
+        let m = AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
+            consumer_tag: consumer_tag.into(),
+            delivery_tag,
+            redelivered,
+            exchange: msg.exchange.clone(),
+            routing_key: msg.routing_key.clone(),
+        }));
+        self.method_with_content(channel, &m, msg);
+    }
+
+    pub fn heartbeat(&self) {
+        self.with(|b| b.heartbeat());
+    }
+
+    /// Take everything buffered (the writer swaps in its empty buffer).
+    pub(crate) fn take(&self, into: &mut OutBuffer) {
+        let mut buf = self.buf.lock();
+        std::mem::swap(&mut *buf, into);
+        self.len.store(0, Ordering::Release);
+    }
+
+    /// Ask the writer to close the socket after flushing.
+    pub fn close_after_flush(&self) {
+        self.close_after_flush.store(true, Ordering::Release);
+        self.wake.notify_one();
+    }
+}

@@ -1,0 +1,432 @@
+//! The protocol state of one connection: handshake, channels, and the one exhaustive dispatch
+//! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
+
+use crate::broker::{Broker, ConnId, Effect};
+use crate::conn::outbox::Outbox;
+use crate::server::Shared;
+use amq_protocol::protocol::basic::AMQPProperties;
+use amq_protocol::protocol::AMQPClass;
+use amq_protocol::types::FieldTable;
+use bytes::Bytes;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tracing::debug;
+use warren_protocol::{AmqpError, ContentAssembler, Frame, FrameError, ReplyCode};
+
+/// What the connection task does after a frame.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next {
+    Continue,
+    /// We sent connection.close and wait for close-ok (bounded by the caller).
+    Closing,
+    /// Close the socket now (after flushing).
+    Close,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    AwaitStartOk,
+    AwaitTuneOk,
+    AwaitOpen,
+    Open,
+    /// We sent connection.close; only close-ok (or close) matters now.
+    Closing,
+}
+
+/// One buffered acknowledgement inside a transaction.
+#[derive(Debug, Clone)]
+pub(crate) enum TxAck {
+    Ack {
+        tag: u64,
+        multiple: bool,
+    },
+    Reject {
+        tag: u64,
+        multiple: bool,
+        requeue: bool,
+    },
+}
+
+/// What a channel in tx mode holds until commit.
+#[derive(Debug, Default)]
+pub(crate) struct Tx {
+    /// Messages and their mandatory flag, routed at commit.
+    pub publishes: Vec<(Arc<crate::broker::Message>, bool)>,
+    pub acks: Vec<TxAck>,
+}
+
+/// Protocol-side state of one open channel (the broker core holds the delivery side).
+#[derive(Debug, Default)]
+pub(crate) struct Chan {
+    /// We sent channel.close and wait for close-ok; other frames are dropped.
+    pub closing: bool,
+    pub content: ContentAssembler,
+    /// confirm.select was received.
+    pub confirm: bool,
+    /// Sequence number of the last publish in confirm mode.
+    pub publish_seq: u64,
+    /// Publishes up to here are confirmed but the basic.ack is not sent yet (sent in one
+    /// `multiple` ack at the end of what the client sent in one go).
+    pub confirmed_upto: u64,
+    /// Last sequence number acked to the client.
+    pub acked_upto: u64,
+    pub tx: Option<Tx>,
+    /// The last queue declared on this channel (an empty queue name in later methods means it).
+    pub last_queue: Option<String>,
+}
+
+pub struct Session {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) outbox: Arc<Outbox>,
+    pub(crate) peer: SocketAddr,
+    pub(crate) phase: Phase,
+    /// Registered in the broker core at connection.open.
+    pub(crate) conn: ConnId,
+    pub(crate) vhost: String,
+    pub(crate) user: String,
+    pub(crate) frame_max: u32,
+    pub(crate) channel_max: u16,
+    pub(crate) heartbeat: u16,
+    pub(crate) channels: HashMap<u16, Chan>,
+    /// The client takes connection.close after a failed login (capability).
+    pub(crate) auth_failure_close: bool,
+    /// Reused effects buffer.
+    pub(crate) fx: Vec<Effect>,
+}
+
+/// Run `f` on the broker core with the lock held, then carry out its effects before releasing
+/// the lock (replies pushed by `f` therefore precede the deliveries it caused).
+pub(crate) fn core<R>(
+    shared: &Shared,
+    fx: &mut Vec<Effect>,
+    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
+) -> R {
+    let mut broker = shared.broker.lock();
+    let r = f(&mut broker, fx);
+    shared.apply_effects(fx);
+    r
+}
+
+impl Session {
+    pub fn new(shared: Arc<Shared>, outbox: Arc<Outbox>, peer: SocketAddr) -> Self {
+        let frame_max = shared.config.frame_max;
+        let channel_max = shared.config.channel_max;
+        Session {
+            shared,
+            outbox,
+            peer,
+            phase: Phase::AwaitStartOk,
+            conn: 0,
+            vhost: String::new(),
+            user: String::new(),
+            frame_max,
+            channel_max,
+            heartbeat: 0,
+            channels: HashMap::new(),
+            auth_failure_close: false,
+            fx: Vec::new(),
+        }
+    }
+
+    pub fn is_open(&self) -> bool {
+        matches!(self.phase, Phase::Open | Phase::Closing) && self.conn != 0
+    }
+
+    pub fn heartbeat(&self) -> u16 {
+        self.heartbeat
+    }
+
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
+    }
+
+    /// Handle one frame; errors become channel.close or connection.close here.
+    pub fn handle(&mut self, frame: Frame) -> Next {
+        if self.phase == Phase::Closing {
+            return match frame {
+                Frame::Method(0, AMQPClass::Connection(m)) => match m {
+                    amq_protocol::protocol::connection::AMQPMethod::CloseOk(_) => Next::Close,
+                    amq_protocol::protocol::connection::AMQPMethod::Close(_) => {
+                        self.send_connection_close_ok();
+                        Next::Close
+                    }
+                    _ => Next::Closing,
+                },
+                _ => Next::Closing,
+            };
+        }
+        let channel = frame.channel();
+        match self.dispatch(frame) {
+            Ok(next) => next,
+            Err(e) => self.fail(channel, e),
+        }
+    }
+
+    fn dispatch(&mut self, frame: Frame) -> Result<Next, AmqpError> {
+        if self.phase != Phase::Open {
+            return self.handshake(frame);
+        }
+        match frame {
+            Frame::Heartbeat(0) => Ok(Next::Continue),
+            Frame::Heartbeat(ch) => Err(AmqpError::new(
+                ReplyCode::FrameError,
+                format!("heartbeat frame on channel {ch}"),
+            )),
+            Frame::Method(0, method) => self.connection_method(method),
+            Frame::Method(ch, method) => {
+                self.channel_method(ch, method)?;
+                Ok(Next::Continue)
+            }
+            Frame::Header { channel: 0, .. } | Frame::Body(0, _) => Err(AmqpError::new(
+                ReplyCode::UnexpectedFrame,
+                "content frame on channel 0",
+            )),
+            Frame::Header {
+                channel,
+                class_id,
+                body_size,
+                properties,
+                raw_properties,
+            } => {
+                self.content_header(channel, class_id, body_size, *properties, raw_properties)?;
+                Ok(Next::Continue)
+            }
+            Frame::Body(ch, data) => {
+                self.content_body(ch, data)?;
+                Ok(Next::Continue)
+            }
+        }
+    }
+
+    /// Method frames on a non-zero channel.
+    fn channel_method(&mut self, ch: u16, method: AMQPClass) -> Result<(), AmqpError> {
+        use amq_protocol::protocol::channel::AMQPMethod as C;
+        let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
+        let result = (|| {
+            if ch > self.channel_max {
+                return Err(AmqpError::channel_error(format!(
+                    "channel number {ch} exceeds channel_max {}",
+                    self.channel_max
+                )));
+            }
+            let Some(chan) = self.channels.get_mut(&ch) else {
+                return match method {
+                    AMQPClass::Channel(C::Open(_)) => self.channel_open(ch),
+                    _ => Err(AmqpError::channel_error("expected 'channel.open'")),
+                };
+            };
+            if chan.closing {
+                // Waiting for close-ok: everything else on this channel is dropped (spec).
+                match method {
+                    AMQPClass::Channel(C::CloseOk(_)) => {
+                        self.channels.remove(&ch);
+                    }
+                    AMQPClass::Channel(C::Close(_)) => {
+                        self.channels.remove(&ch);
+                        self.outbox.method(
+                            ch,
+                            &AMQPClass::Channel(C::CloseOk(
+                                amq_protocol::protocol::channel::CloseOk {},
+                            )),
+                        );
+                    }
+                    _ => {}
+                }
+                return Ok(());
+            }
+            if !chan.content.is_idle() {
+                return Err(chan.content.unexpected(&format!("{class_id}.{method_id}")));
+            }
+            match method {
+                AMQPClass::Channel(m) => self.channel_class(ch, m),
+                AMQPClass::Exchange(m) => self.exchange_class(ch, m),
+                AMQPClass::Queue(m) => self.queue_class(ch, m),
+                AMQPClass::Basic(m) => self.basic_class(ch, m),
+                AMQPClass::Confirm(m) => self.confirm_class(ch, m),
+                AMQPClass::Tx(m) => self.tx_class(ch, m),
+                AMQPClass::Access(m) => self.access_class(ch, m),
+                AMQPClass::Connection(_) => Err(AmqpError::command_invalid(
+                    "connection class method on a non-zero channel",
+                )),
+            }
+        })();
+        result.map_err(|e| e.on(class_id, method_id))
+    }
+
+    /// Turn an error into the close the spec asks for.
+    fn fail(&mut self, channel: u16, e: AmqpError) -> Next {
+        debug!(channel, code = e.code.code(), text = %e.text, "error");
+        if !e.hard && channel != 0 && self.channels.contains_key(&channel) {
+            self.outbox.method(channel, &e.close_method());
+            self.close_channel_state(channel);
+            if let Some(chan) = self.channels.get_mut(&channel) {
+                chan.closing = true;
+            }
+            return Next::Continue;
+        }
+        let mut e = e;
+        e.hard = true;
+        self.outbox.method(0, &e.close_method());
+        self.phase = Phase::Closing;
+        Next::Closing
+    }
+
+    /// A framing error: connection.close with the matching code; the socket closes after it
+    /// (the byte stream cannot be trusted any more).
+    pub fn frame_error(&mut self, e: &FrameError) {
+        let err = match e {
+            FrameError::TooLarge { .. }
+            | FrameError::BadFrameEnd(_)
+            | FrameError::UnknownType(_) => AmqpError::new(ReplyCode::FrameError, e),
+            FrameError::UnknownMethod {
+                class_id,
+                method_id,
+            } => AmqpError::new(ReplyCode::NotImplemented, e).on(*class_id, *method_id),
+            FrameError::BadMethod {
+                class_id,
+                method_id,
+            } => AmqpError::new(ReplyCode::SyntaxError, e).on(*class_id, *method_id),
+            FrameError::BadHeader => AmqpError::new(ReplyCode::SyntaxError, e),
+            FrameError::Io(_) => return,
+        };
+        if self.phase == Phase::Closing {
+            return;
+        }
+        let mut err = err;
+        err.hard = true;
+        self.outbox.method(0, &err.close_method());
+        self.phase = Phase::Closing;
+    }
+
+    /// Broker shutdown: 320 CONNECTION_FORCED.
+    pub fn force_close(&mut self, reason: &str) {
+        if self.phase == Phase::Closing {
+            return;
+        }
+        let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
+        self.outbox.method(0, &e.close_method());
+        self.phase = Phase::Closing;
+    }
+
+    /// Release the connection's broker state (channels requeue, exclusive queues go).
+    pub fn teardown(&mut self) {
+        if self.conn == 0 {
+            return;
+        }
+        let conn = self.conn;
+        self.conn = 0;
+        self.outbox.conn_id.store(0, Ordering::Release);
+        core(&self.shared, &mut self.fx, |b, fx| {
+            b.connection_close(conn, fx);
+            // Remove the outbox while the broker lock is held: nothing can route to us after.
+            self.shared.outboxes.write().remove(&conn);
+        });
+        self.channels.clear();
+    }
+
+    /// Drop a channel's broker-side state (consumers, unacked messages back to their queues).
+    pub(crate) fn close_channel_state(&mut self, ch: u16) {
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, fx| {
+            b.channel_close(conn, ch, fx)
+        });
+        if let Some(chan) = self.channels.get_mut(&ch) {
+            chan.content.reset();
+            chan.tx = None;
+        }
+    }
+
+    /// Send the basic.ack for publishes confirmed since the last call, as one `multiple` ack.
+    pub fn flush_confirms(&mut self) {
+        use amq_protocol::protocol::basic;
+        for (ch, chan) in self.channels.iter_mut() {
+            if chan.confirm && !chan.closing && chan.confirmed_upto > chan.acked_upto {
+                let multiple = chan.confirmed_upto - chan.acked_upto > 1;
+                self.outbox.method(
+                    *ch,
+                    &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                        delivery_tag: chan.confirmed_upto,
+                        multiple,
+                    })),
+                );
+                chan.acked_upto = chan.confirmed_upto;
+            }
+        }
+    }
+
+    pub(crate) fn chan(&mut self, ch: u16) -> Result<&mut Chan, AmqpError> {
+        self.channels
+            .get_mut(&ch)
+            .ok_or_else(|| AmqpError::channel_error("expected 'channel.open'"))
+    }
+
+    /// A queue name from a method: empty means the channel's last declared queue.
+    pub(crate) fn resolve_queue(&mut self, ch: u16, name: &str) -> Result<String, AmqpError> {
+        if !name.is_empty() {
+            return Ok(name.to_string());
+        }
+        self.chan(ch)?
+            .last_queue
+            .clone()
+            .ok_or_else(|| AmqpError::not_found("no previously declared queue"))
+    }
+
+    fn content_header(
+        &mut self,
+        ch: u16,
+        class_id: u16,
+        body_size: u64,
+        properties: AMQPProperties,
+        raw_properties: Bytes,
+    ) -> Result<(), AmqpError> {
+        let max = self.shared.config.max_message_size;
+        let chan = self
+            .channels
+            .get_mut(&ch)
+            .ok_or_else(|| AmqpError::channel_error("expected 'channel.open'"))?;
+        if chan.closing {
+            return Ok(());
+        }
+        if body_size > max {
+            chan.content.reset();
+            return Err(AmqpError::precondition_failed(format!(
+                "message size {body_size} is larger than configured max size {max}"
+            ))
+            .on(60, 40));
+        }
+        if let Some(content) =
+            chan.content
+                .header(class_id, body_size, properties, raw_properties)?
+        {
+            self.publish_content(ch, content)?;
+        }
+        Ok(())
+    }
+
+    fn content_body(&mut self, ch: u16, data: Bytes) -> Result<(), AmqpError> {
+        let chan = self
+            .channels
+            .get_mut(&ch)
+            .ok_or_else(|| AmqpError::channel_error("expected 'channel.open'"))?;
+        if chan.closing {
+            return Ok(());
+        }
+        if let Some(content) = chan.content.body(data)? {
+            self.publish_content(ch, content)?;
+        }
+        Ok(())
+    }
+
+    /// Client capabilities, from start-ok's client-properties.
+    pub(crate) fn client_capability(props: &FieldTable, name: &str) -> bool {
+        use amq_protocol::types::AMQPValue;
+        match props.inner().get("capabilities") {
+            Some(AMQPValue::FieldTable(caps)) => {
+                matches!(caps.inner().get(name), Some(AMQPValue::Boolean(true)))
+            }
+            _ => false,
+        }
+    }
+}

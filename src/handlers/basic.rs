@@ -1,0 +1,238 @@
+//! basic class: qos, consume, cancel, publish (and the content it carries), get, ack, reject,
+//! nack, recover.
+
+use crate::broker::Message;
+use crate::conn::session::{core, Session, TxAck};
+use amq_protocol::protocol::basic::{self, AMQPMethod as M};
+use amq_protocol::protocol::AMQPClass;
+use std::sync::Arc;
+use warren_protocol::{AmqpError, Content, ReplyCode};
+
+impl Session {
+    pub(crate) fn basic_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
+        match m {
+            M::Qos(q) => {
+                let conn = self.conn;
+                core(&self.shared, &mut self.fx, |b, fx| {
+                    b.qos(conn, ch, q.prefetch_count, q.global, fx);
+                    self.outbox
+                        .method(ch, &AMQPClass::Basic(M::QosOk(basic::QosOk {})));
+                });
+                Ok(())
+            }
+            M::Consume(c) => self.basic_consume(ch, c),
+            M::Cancel(c) => {
+                let conn = self.conn;
+                core(&self.shared, &mut self.fx, |b, fx| {
+                    b.cancel(conn, ch, c.consumer_tag.as_str(), fx);
+                    if !c.nowait {
+                        self.outbox.method(
+                            ch,
+                            &AMQPClass::Basic(M::CancelOk(basic::CancelOk {
+                                consumer_tag: c.consumer_tag.clone(),
+                            })),
+                        );
+                    }
+                });
+                Ok(())
+            }
+            M::Publish(p) => {
+                if p.immediate {
+                    return Err(AmqpError::not_implemented("immediate=true"));
+                }
+                self.chan(ch)?.content.publish(p)
+            }
+            M::Get(g) => self.basic_get(ch, g),
+            M::Ack(a) => self.basic_ack(
+                ch,
+                TxAck::Ack {
+                    tag: a.delivery_tag,
+                    multiple: a.multiple,
+                },
+            ),
+            M::Reject(r) => self.basic_ack(
+                ch,
+                TxAck::Reject {
+                    tag: r.delivery_tag,
+                    multiple: false,
+                    requeue: r.requeue,
+                },
+            ),
+            M::Nack(n) => self.basic_ack(
+                ch,
+                TxAck::Reject {
+                    tag: n.delivery_tag,
+                    multiple: n.multiple,
+                    requeue: n.requeue,
+                },
+            ),
+            M::RecoverAsync(r) => self.basic_recover(ch, r.requeue, false),
+            M::Recover(r) => self.basic_recover(ch, r.requeue, true),
+            M::QosOk(_)
+            | M::ConsumeOk(_)
+            | M::CancelOk(_)
+            | M::Return(_)
+            | M::Deliver(_)
+            | M::GetOk(_)
+            | M::GetEmpty(_)
+            | M::RecoverOk(_) => Err(AmqpError::command_invalid(
+                "this basic method is sent by servers, not clients",
+            )),
+        }
+    }
+
+    fn basic_consume(&mut self, ch: u16, c: basic::Consume) -> Result<(), AmqpError> {
+        let queue = self.resolve_queue(ch, c.queue.as_str())?;
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, fx| {
+            // Deliveries the subscription causes land in `fx` and go out after consume-ok.
+            let tag = b.consume(
+                conn,
+                ch,
+                &self.vhost,
+                &queue,
+                c.consumer_tag.as_str(),
+                c.no_ack,
+                c.exclusive,
+                fx,
+            )?;
+            if !c.nowait {
+                self.outbox.method(
+                    ch,
+                    &AMQPClass::Basic(M::ConsumeOk(basic::ConsumeOk {
+                        consumer_tag: tag.as_str().into(),
+                    })),
+                );
+            }
+            Ok(())
+        })
+    }
+
+    fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
+        let queue = self.resolve_queue(ch, g.queue.as_str())?;
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, _| {
+            match b.get(conn, ch, &self.vhost, &queue, g.no_ack)? {
+                Some(r) => self.outbox.method_with_content(
+                    ch,
+                    &AMQPClass::Basic(M::GetOk(basic::GetOk {
+                        delivery_tag: r.delivery_tag,
+                        redelivered: r.redelivered,
+                        exchange: r.msg.exchange.clone(),
+                        routing_key: r.msg.routing_key.clone(),
+                        message_count: r.message_count,
+                    })),
+                    &r.msg,
+                ),
+                None => self
+                    .outbox
+                    .method(ch, &AMQPClass::Basic(M::GetEmpty(basic::GetEmpty {}))),
+            }
+            Ok(())
+        })
+    }
+
+    fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
+        if let Some(tx) = self.chan(ch)?.tx.as_mut() {
+            tx.acks.push(ack);
+            return Ok(());
+        }
+        self.apply_ack(ch, ack)
+    }
+
+    pub(crate) fn apply_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, fx| match ack {
+            TxAck::Ack { tag, multiple } => b.ack(conn, ch, tag, multiple, fx),
+            TxAck::Reject {
+                tag,
+                multiple,
+                requeue,
+            } => b.reject(conn, ch, tag, multiple, requeue, fx),
+        })
+    }
+
+    fn basic_recover(&mut self, ch: u16, requeue: bool, reply: bool) -> Result<(), AmqpError> {
+        if !requeue {
+            // As RabbitMQ: redelivery to the original consumer is not supported.
+            return Err(AmqpError::not_implemented("requeue=false"));
+        }
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, fx| {
+            b.recover(conn, ch, fx)?;
+            if reply {
+                self.outbox
+                    .method(ch, &AMQPClass::Basic(M::RecoverOk(basic::RecoverOk {})));
+            }
+            Ok(())
+        })
+    }
+
+    /// A complete published message: route it now, or keep it for commit in tx mode.
+    pub(crate) fn publish_content(&mut self, ch: u16, content: Content) -> Result<(), AmqpError> {
+        if let Some(user_id) = content.properties.user_id() {
+            if user_id.as_str() != self.user {
+                return Err(AmqpError::precondition_failed(format!(
+                    "user_id property set to '{}' but authenticated user was '{}'",
+                    user_id.as_str(),
+                    self.user
+                ))
+                .on(60, 40));
+            }
+        }
+        let mandatory = content.publish.mandatory;
+        let msg = Arc::new(Message {
+            exchange: content.publish.exchange,
+            routing_key: content.publish.routing_key,
+            properties: content.properties,
+            raw_properties: content.raw_properties,
+            body: content.body,
+        });
+        let in_tx = self.chan(ch)?.tx.is_some();
+        if in_tx {
+            // Errors about the exchange come now, as in RabbitMQ; routing happens at commit.
+            let vhost = &self.vhost;
+            core(&self.shared, &mut self.fx, |b, _| {
+                b.route(vhost, msg.exchange.as_str(), &msg).map(|_| ())
+            })
+            .map_err(|e| e.on(60, 40))?;
+            if let Some(tx) = self.chan(ch)?.tx.as_mut() {
+                tx.publishes.push((msg, mandatory));
+            }
+            return Ok(());
+        }
+        self.route_message(ch, msg, mandatory)?;
+        let chan = self.chan(ch)?;
+        if chan.confirm {
+            chan.publish_seq += 1;
+            chan.confirmed_upto = chan.publish_seq;
+        }
+        Ok(())
+    }
+
+    /// Enqueue a message; unroutable mandatory messages come back as basic.return.
+    pub(crate) fn route_message(
+        &mut self,
+        ch: u16,
+        msg: Arc<Message>,
+        mandatory: bool,
+    ) -> Result<(), AmqpError> {
+        core(&self.shared, &mut self.fx, |b, fx| {
+            let routed = b.publish(&self.vhost, msg.clone(), fx)?;
+            if routed == 0 && mandatory {
+                self.outbox.method_with_content(
+                    ch,
+                    &AMQPClass::Basic(M::Return(basic::Return {
+                        reply_code: ReplyCode::NoRoute.code(),
+                        reply_text: "NO_ROUTE".into(),
+                        exchange: msg.exchange.clone(),
+                        routing_key: msg.routing_key.clone(),
+                    })),
+                    &msg,
+                );
+            }
+            Ok(())
+        })
+        .map_err(|e: AmqpError| e.on(60, 40))
+    }
+}

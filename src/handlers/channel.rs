@@ -1,0 +1,65 @@
+//! channel class (open, flow, close) and the deprecated access class.
+
+use crate::conn::session::{core, Chan, Session};
+use amq_protocol::protocol::access;
+use amq_protocol::protocol::channel::{self, AMQPMethod as M};
+use amq_protocol::protocol::AMQPClass;
+use warren_protocol::AmqpError;
+
+impl Session {
+    pub(crate) fn channel_open(&mut self, ch: u16) -> Result<(), AmqpError> {
+        let conn = self.conn;
+        core(&self.shared, &mut self.fx, |b, _| b.channel_open(conn, ch));
+        self.channels.insert(ch, Chan::default());
+        self.outbox
+            .method(ch, &AMQPClass::Channel(M::OpenOk(channel::OpenOk {})));
+        Ok(())
+    }
+
+    pub(crate) fn channel_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
+        match m {
+            M::Open(_) => Err(AmqpError::channel_error("second 'channel.open' seen")),
+            M::Flow(f) => {
+                let conn = self.conn;
+                core(&self.shared, &mut self.fx, |b, fx| {
+                    b.flow(conn, ch, f.active, fx);
+                    self.outbox.method(
+                        ch,
+                        &AMQPClass::Channel(M::FlowOk(channel::FlowOk { active: f.active })),
+                    );
+                });
+                Ok(())
+            }
+            // We never send channel.flow, so a flow-ok has nothing to answer; accept it.
+            M::FlowOk(_) => Ok(()),
+            M::Close(_) => {
+                self.close_channel_state(ch);
+                self.channels.remove(&ch);
+                self.outbox
+                    .method(ch, &AMQPClass::Channel(M::CloseOk(channel::CloseOk {})));
+                Ok(())
+            }
+            // close-ok on a channel we are not closing: RabbitMQ ignores it too.
+            M::CloseOk(_) => Ok(()),
+            M::OpenOk(_) => Err(AmqpError::command_invalid(
+                "channel.open-ok is a server method",
+            )),
+        }
+    }
+
+    pub(crate) fn access_class(&mut self, ch: u16, m: access::AMQPMethod) -> Result<(), AmqpError> {
+        match m {
+            // Deprecated in 0-9-1; RabbitMQ still answers it.
+            access::AMQPMethod::Request(_) => {
+                self.outbox.method(
+                    ch,
+                    &AMQPClass::Access(access::AMQPMethod::RequestOk(access::RequestOk {})),
+                );
+                Ok(())
+            }
+            access::AMQPMethod::RequestOk(_) => Err(AmqpError::command_invalid(
+                "access.request-ok is a server method",
+            )),
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! connection class: start / start-ok, tune / tune-ok, open, close, blocked, update-secret.
+
+use crate::conn::session::{core, Next, Phase, Session};
+use amq_protocol::protocol::connection::{self, AMQPMethod as M};
+use amq_protocol::protocol::AMQPClass;
+use amq_protocol::types::{AMQPValue, FieldTable, LongString};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tracing::info;
+use warren_protocol::{AmqpError, Frame, ReplyCode};
+
+fn server_properties() -> FieldTable {
+    let mut caps = FieldTable::default();
+    for cap in [
+        "publisher_confirms",
+        "exchange_exchange_bindings",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "connection.blocked",
+        "consumer_priorities",
+        "authentication_failure_close",
+        "per_consumer_qos",
+        "direct_reply_to",
+    ] {
+        caps.insert(cap.into(), AMQPValue::Boolean(true));
+    }
+    let mut props = FieldTable::default();
+    let s = |v: &str| AMQPValue::LongString(LongString::from(v));
+    props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+    props.insert("product".into(), s("Warren"));
+    props.insert("version".into(), s(env!("CARGO_PKG_VERSION")));
+    props.insert(
+        "platform".into(),
+        s(&format!(
+            "Rust ({} {})",
+            std::env::consts::OS,
+            std::env::consts::ARCH
+        )),
+    );
+    props.insert("copyright".into(), s("Copyright (c) the Warren authors"));
+    props.insert(
+        "information".into(),
+        s("Licensed under the Apache License 2.0. An AMQP 0-9-1 broker."),
+    );
+    props.insert("cluster_name".into(), s("warren"));
+    props
+}
+
+/// Split a SASL response into (user, password) for PLAIN ("authzid\0user\0pass") or AMQPLAIN
+/// (a field table without its length prefix, with LOGIN and PASSWORD).
+fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
+    match mechanism {
+        "PLAIN" => {
+            let mut parts = response.split(|b| *b == 0);
+            let _authzid = parts.next()?;
+            let user = parts.next()?;
+            let pass = parts.next()?;
+            if parts.next().is_some() {
+                return None;
+            }
+            Some((
+                String::from_utf8(user.to_vec()).ok()?,
+                String::from_utf8(pass.to_vec()).ok()?,
+            ))
+        }
+        "AMQPLAIN" => {
+            let mut framed = (response.len() as u32).to_be_bytes().to_vec();
+            framed.extend_from_slice(response);
+            let (_, table) = amq_protocol::types::parsing::parse_field_table(&framed[..]).ok()?;
+            let get = |k: &str| match table.inner().get(k) {
+                Some(AMQPValue::LongString(s)) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+                Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_string()),
+                _ => None,
+            };
+            Some((get("LOGIN")?, get("PASSWORD")?))
+        }
+        _ => None,
+    }
+}
+
+impl Session {
+    /// Send connection.start (right after the protocol header).
+    pub fn start(&mut self) {
+        self.outbox.method(
+            0,
+            &AMQPClass::Connection(M::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: server_properties(),
+                mechanisms: "PLAIN AMQPLAIN".into(),
+                locales: "en_US".into(),
+            })),
+        );
+    }
+
+    /// Frames before the connection is open: start-ok, tune-ok, open, in that order.
+    pub(crate) fn handshake(&mut self, frame: Frame) -> Result<Next, AmqpError> {
+        let method = match frame {
+            Frame::Method(0, AMQPClass::Connection(m)) => m,
+            Frame::Heartbeat(0) => return Ok(Next::Continue),
+            _ => {
+                return Err(AmqpError::connection(
+                    ReplyCode::CommandInvalid,
+                    "expected a connection method during the handshake",
+                ));
+            }
+        };
+        match (self.phase, method) {
+            (_, M::Close(_)) => {
+                self.send_connection_close_ok();
+                Ok(Next::Close)
+            }
+            (Phase::AwaitStartOk, M::StartOk(m)) => self.start_ok(m),
+            (Phase::AwaitTuneOk, M::TuneOk(m)) => self.tune_ok(m),
+            (Phase::AwaitOpen, M::Open(m)) => self.open(m),
+            (_, m) => Err(AmqpError::connection(
+                ReplyCode::CommandInvalid,
+                format!("unexpected method {m:?} during the handshake"),
+            )
+            .on_method(&AMQPClass::Connection(m))),
+        }
+    }
+
+    fn start_ok(&mut self, m: connection::StartOk) -> Result<Next, AmqpError> {
+        self.auth_failure_close =
+            Self::client_capability(&m.client_properties, "authentication_failure_close");
+        self.outbox.cancel_notify.store(
+            Self::client_capability(&m.client_properties, "consumer_cancel_notify"),
+            Ordering::Relaxed,
+        );
+        let mechanism = m.mechanism.as_str();
+        if mechanism != "PLAIN" && mechanism != "AMQPLAIN" {
+            return Err(AmqpError::connection(
+                ReplyCode::CommandInvalid,
+                format!("unknown authentication mechanism '{mechanism}'"),
+            )
+            .on(10, 11));
+        }
+        let refused = || {
+            AmqpError::connection(
+                ReplyCode::AccessRefused,
+                format!(
+                    "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+                ),
+            )
+            .on(10, 11)
+        };
+        let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {
+            return Err(refused());
+        };
+        let config = &self.shared.config;
+        let ok = config.users.iter().any(|(u, p)| *u == user && *p == pass);
+        let loopback_only = config.loopback_users.contains(&user);
+        if !ok || (loopback_only && !self.peer.ip().is_loopback()) {
+            info!(user, peer = %self.peer, "login refused");
+            if !self.auth_failure_close {
+                // Old clients get the socket closed without a close frame, as RabbitMQ does.
+                return Ok(Next::Close);
+            }
+            return Err(refused());
+        }
+        self.user = user;
+        self.phase = Phase::AwaitTuneOk;
+        self.outbox.method(
+            0,
+            &AMQPClass::Connection(M::Tune(connection::Tune {
+                channel_max: config.channel_max,
+                frame_max: config.frame_max,
+                heartbeat: config.heartbeat,
+            })),
+        );
+        Ok(Next::Continue)
+    }
+
+    fn tune_ok(&mut self, m: connection::TuneOk) -> Result<Next, AmqpError> {
+        let config = &self.shared.config;
+        let not_allowed =
+            |t: String| Err(AmqpError::connection(ReplyCode::NotAllowed, t).on(10, 31));
+        let frame_max = if m.frame_max == 0 {
+            config.frame_max
+        } else {
+            m.frame_max
+        };
+        if frame_max > config.frame_max {
+            return not_allowed(format!("frame_max={frame_max} > {} max", config.frame_max));
+        }
+        if frame_max < 4096 {
+            return not_allowed(format!("frame_max={frame_max} < 4096 min"));
+        }
+        let channel_max = if m.channel_max == 0 {
+            config.channel_max
+        } else {
+            m.channel_max
+        };
+        if channel_max > config.channel_max {
+            return not_allowed(format!(
+                "channel_max={channel_max} > {} max",
+                config.channel_max
+            ));
+        }
+        self.frame_max = frame_max;
+        self.channel_max = channel_max;
+        self.heartbeat = m.heartbeat;
+        self.outbox.set_frame_max(frame_max);
+        self.outbox.heartbeat.store(m.heartbeat, Ordering::Relaxed);
+        self.phase = Phase::AwaitOpen;
+        Ok(Next::Continue)
+    }
+
+    fn open(&mut self, m: connection::Open) -> Result<Next, AmqpError> {
+        let vhost = m.virtual_host.as_str().to_string();
+        let outbox = self.outbox.clone();
+        let shared = self.shared.clone();
+        let conn = core(&shared, &mut self.fx, |b, _| {
+            if !b.has_vhost(&vhost) {
+                return None;
+            }
+            let conn = b.connection_open(&vhost);
+            shared.outboxes.write().insert(conn, Arc::clone(&outbox));
+            Some(conn)
+        });
+        let Some(conn) = conn else {
+            return Err(AmqpError::connection(
+                ReplyCode::NotAllowed,
+                format!("vhost {vhost} not found"),
+            )
+            .on(10, 40));
+        };
+        self.conn = conn;
+        self.outbox.conn_id.store(conn, Ordering::Release);
+        self.vhost = vhost;
+        self.phase = Phase::Open;
+        info!(conn, user = %self.user, vhost = %self.vhost, "connection open");
+        self.outbox
+            .method(0, &AMQPClass::Connection(M::OpenOk(connection::OpenOk {})));
+        Ok(Next::Continue)
+    }
+
+    pub(crate) fn send_connection_close_ok(&mut self) {
+        self.outbox.method(
+            0,
+            &AMQPClass::Connection(M::CloseOk(connection::CloseOk {})),
+        );
+    }
+
+    /// Methods on channel 0 once the connection is open.
+    pub(crate) fn connection_method(&mut self, method: AMQPClass) -> Result<Next, AmqpError> {
+        let AMQPClass::Connection(m) = method else {
+            return Err(AmqpError::command_invalid(format!(
+                "class {} method on channel 0",
+                method.get_amqp_class_id()
+            ))
+            .on_method(&method));
+        };
+        match m {
+            M::Close(c) => {
+                info!(code = c.reply_code, text = %c.reply_text, "client closed the connection");
+                self.send_connection_close_ok();
+                Ok(Next::Close)
+            }
+            // A close-ok we did not ask for: the peer is done either way.
+            M::CloseOk(_) => Ok(Next::Close),
+            // Clients may tell us they are blocked (rare); nothing to do.
+            M::Blocked(_) | M::Unblocked(_) => Ok(Next::Continue),
+            M::UpdateSecret(_) => {
+                self.outbox.method(
+                    0,
+                    &AMQPClass::Connection(M::UpdateSecretOk(connection::UpdateSecretOk {})),
+                );
+                Ok(Next::Continue)
+            }
+            m @ (M::Start(_)
+            | M::StartOk(_)
+            | M::Secure(_)
+            | M::SecureOk(_)
+            | M::Tune(_)
+            | M::TuneOk(_)
+            | M::Open(_)
+            | M::OpenOk(_)
+            | M::UpdateSecretOk(_)) => {
+                let m = AMQPClass::Connection(m);
+                Err(AmqpError::command_invalid(format!(
+                    "unexpected method connection.{} on an open connection",
+                    m.get_amqp_method_id()
+                ))
+                .on_method(&m))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::credentials;
+
+    #[test]
+    fn plain_and_amqplain() {
+        assert_eq!(
+            credentials("PLAIN", b"\0guest\0guest"),
+            Some(("guest".into(), "guest".into()))
+        );
+        assert_eq!(credentials("PLAIN", b"guest"), None);
+        let amqplain = b"\x05LOGINS\x00\x00\x00\x05guest\x08PASSWORDS\x00\x00\x00\x05guest";
+        assert_eq!(
+            credentials("AMQPLAIN", amqplain),
+            Some(("guest".into(), "guest".into()))
+        );
+    }
+}

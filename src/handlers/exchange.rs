@@ -1,0 +1,108 @@
+//! exchange class: declare, delete, bind, unbind.
+
+use crate::broker::ExchangeDeclare;
+use crate::conn::session::{core, Session};
+use amq_protocol::protocol::exchange::{self, AMQPMethod as M};
+use amq_protocol::protocol::AMQPClass;
+use warren_protocol::AmqpError;
+
+impl Session {
+    pub(crate) fn exchange_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
+        match m {
+            M::Declare(d) => self.exchange_declare(ch, d),
+            M::Delete(d) => self.exchange_delete(ch, d),
+            M::Bind(b) => self.exchange_bind(
+                ch,
+                b.destination.as_str(),
+                b.source.as_str(),
+                b.routing_key.as_str(),
+                &b.arguments,
+                b.nowait,
+                true,
+            ),
+            M::Unbind(b) => self.exchange_bind(
+                ch,
+                b.destination.as_str(),
+                b.source.as_str(),
+                b.routing_key.as_str(),
+                &b.arguments,
+                b.nowait,
+                false,
+            ),
+            M::DeclareOk(_) | M::DeleteOk(_) | M::BindOk(_) | M::UnbindOk(_) => Err(
+                AmqpError::command_invalid("exchange *-ok methods are server methods"),
+            ),
+        }
+    }
+
+    fn exchange_declare(&mut self, ch: u16, d: exchange::Declare) -> Result<(), AmqpError> {
+        let decl = ExchangeDeclare {
+            name: d.exchange.as_str().to_string(),
+            kind: d.kind.as_str().to_string(),
+            passive: d.passive,
+            durable: d.durable,
+            auto_delete: d.auto_delete,
+            internal: d.internal,
+            arguments: d.arguments,
+        };
+        core(&self.shared, &mut self.fx, |b, fx| {
+            b.exchange_declare(&self.vhost, decl, fx)?;
+            if !d.nowait {
+                self.outbox.method(
+                    ch,
+                    &AMQPClass::Exchange(M::DeclareOk(exchange::DeclareOk {})),
+                );
+            }
+            Ok(())
+        })
+    }
+
+    fn exchange_delete(&mut self, ch: u16, d: exchange::Delete) -> Result<(), AmqpError> {
+        core(&self.shared, &mut self.fx, |b, fx| {
+            match b.exchange_delete(&self.vhost, d.exchange.as_str(), d.if_unused, fx) {
+                Ok(()) => {}
+                // RabbitMQ answers delete-ok for an exchange that does not exist.
+                Err(e) if e.code == warren_protocol::ReplyCode::NotFound => {}
+                Err(e) => return Err(e),
+            }
+            if !d.nowait {
+                self.outbox
+                    .method(ch, &AMQPClass::Exchange(M::DeleteOk(exchange::DeleteOk {})));
+            }
+            Ok(())
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn exchange_bind(
+        &mut self,
+        ch: u16,
+        destination: &str,
+        source: &str,
+        routing_key: &str,
+        arguments: &amq_protocol::types::FieldTable,
+        nowait: bool,
+        bind: bool,
+    ) -> Result<(), AmqpError> {
+        core(&self.shared, &mut self.fx, |b, fx| {
+            b.exchange_bind(
+                &self.vhost,
+                destination,
+                source,
+                routing_key,
+                arguments,
+                bind,
+                fx,
+            )?;
+            if !nowait {
+                let ok = if bind {
+                    M::BindOk(exchange::BindOk {})
+                } else {
+                    M::UnbindOk(exchange::UnbindOk {})
+                };
+                self.outbox.method(ch, &AMQPClass::Exchange(ok));
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,9 @@
+//! One file per AMQP class, one function per method; each is an `impl Session` block.
+
+mod basic;
+mod channel;
+mod confirm;
+mod connection;
+mod exchange;
+mod queue;
+mod tx;

@@ -1,0 +1,58 @@
+//! tx class: select, commit, rollback. Publishes and acks wait in the channel until commit.
+
+use crate::conn::session::{Session, Tx};
+use amq_protocol::protocol::tx::{self, AMQPMethod as M};
+use amq_protocol::protocol::AMQPClass;
+use warren_protocol::AmqpError;
+
+impl Session {
+    pub(crate) fn tx_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
+        match m {
+            M::Select(_) => {
+                let chan = self.chan(ch)?;
+                if chan.confirm {
+                    return Err(AmqpError::precondition_failed(
+                        "cannot switch from confirm to tx mode",
+                    ));
+                }
+                if chan.tx.is_none() {
+                    chan.tx = Some(Tx::default());
+                }
+                self.outbox
+                    .method(ch, &AMQPClass::Tx(M::SelectOk(tx::SelectOk {})));
+                Ok(())
+            }
+            M::Commit(_) => {
+                let work = self.take_tx(ch)?;
+                for (msg, mandatory) in work.publishes {
+                    self.route_message(ch, msg, mandatory)?;
+                }
+                for ack in work.acks {
+                    self.apply_ack(ch, ack)?;
+                }
+                self.outbox
+                    .method(ch, &AMQPClass::Tx(M::CommitOk(tx::CommitOk {})));
+                Ok(())
+            }
+            M::Rollback(_) => {
+                self.take_tx(ch)?;
+                self.outbox
+                    .method(ch, &AMQPClass::Tx(M::RollbackOk(tx::RollbackOk {})));
+                Ok(())
+            }
+            M::SelectOk(_) | M::CommitOk(_) | M::RollbackOk(_) => Err(AmqpError::command_invalid(
+                "tx *-ok methods are server methods",
+            )),
+        }
+    }
+
+    /// Take the pending work of a transactional channel, leaving it transactional and empty.
+    fn take_tx(&mut self, ch: u16) -> Result<Tx, AmqpError> {
+        match self.chan(ch)?.tx.as_mut() {
+            Some(tx) => Ok(std::mem::take(tx)),
+            None => Err(AmqpError::precondition_failed(
+                "channel is not transactional",
+            )),
+        }
+    }
+}
