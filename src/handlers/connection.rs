@@ -78,6 +78,19 @@ fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
     }
 }
 
+/// Whether these credentials may log in from `ip`: a known user with the right password, and
+/// users in `loopback_users` (guest by default) only from a loopback address, as RabbitMQ.
+pub(crate) fn login_allowed(
+    config: &crate::Config,
+    user: &str,
+    pass: &str,
+    ip: std::net::IpAddr,
+) -> bool {
+    let known = config.users.iter().any(|(u, p)| u == user && p == pass);
+    let loopback_only = config.loopback_users.iter().any(|u| u == user);
+    known && (!loopback_only || ip.is_loopback())
+}
+
 impl Session {
     /// Send connection.start (right after the protocol header).
     pub fn start(&mut self) {
@@ -149,9 +162,7 @@ impl Session {
             return Err(refused());
         };
         let config = &self.shared.config;
-        let ok = config.users.iter().any(|(u, p)| *u == user && *p == pass);
-        let loopback_only = config.loopback_users.contains(&user);
-        if !ok || (loopback_only && !self.peer.ip().is_loopback()) {
+        if !login_allowed(config, &user, &pass, self.peer.ip()) {
             info!(user, peer = %self.peer, "login refused");
             if !self.auth_failure_close {
                 // Old clients get the socket closed without a close frame, as RabbitMQ does.
@@ -291,7 +302,27 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::credentials;
+    use super::{credentials, login_allowed};
+
+    #[test]
+    fn guest_only_from_loopback() {
+        let config = crate::Config {
+            users: vec![
+                ("guest".into(), "guest".into()),
+                ("app".into(), "pw".into()),
+            ],
+            ..Default::default()
+        };
+        let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let lo6: std::net::IpAddr = "::1".parse().unwrap();
+        let remote: std::net::IpAddr = "192.0.2.7".parse().unwrap();
+        assert!(login_allowed(&config, "guest", "guest", lo));
+        assert!(login_allowed(&config, "guest", "guest", lo6));
+        assert!(!login_allowed(&config, "guest", "guest", remote));
+        assert!(login_allowed(&config, "app", "pw", remote));
+        assert!(!login_allowed(&config, "app", "nope", lo));
+        assert!(!login_allowed(&config, "ghost", "guest", lo));
+    }
 
     #[test]
     fn plain_and_amqplain() {

@@ -1,0 +1,317 @@
+//! Test harness: the real server on 127.0.0.1:0 in-process, lapin clients, and a raw-frame
+//! client for the error cases a well-behaved client library cannot produce.
+
+#![allow(dead_code)]
+
+use amq_protocol::protocol::{channel, connection, AMQPClass};
+use bytes::BytesMut;
+use futures::StreamExt;
+use lapin::{Connection, ConnectionProperties};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_util::codec::Decoder;
+use warren::{Config, Shared};
+use warren_protocol::{Frame, FrameCodec, OutBuffer, PROTOCOL_HEADER};
+
+/// How long any single wait in a test may take before the test fails.
+pub const WAIT: Duration = Duration::from_secs(5);
+
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub data_dir: tempfile::TempDir,
+    pub shared: Arc<Shared>,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<anyhow::Result<()>>>,
+}
+
+impl TestServer {
+    pub async fn start() -> Self {
+        Self::start_with(Config::default()).await
+    }
+
+    pub async fn start_with(mut config: Config) -> Self {
+        let data_dir = tempfile::tempdir().expect("temp dir");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        config.amqp_listen = addr;
+        config.data_dir = data_dir.path().to_path_buf();
+        let shared = Shared::new(config);
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(warren::serve(listener, shared.clone(), async {
+            let _ = rx.await;
+        }));
+        TestServer {
+            addr,
+            data_dir,
+            shared,
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    pub async fn connect(&self) -> Connection {
+        self.connect_url(&self.url()).await
+    }
+
+    pub async fn connect_url(&self, url: &str) -> Connection {
+        tokio::time::timeout(
+            WAIT,
+            Connection::connect(url, ConnectionProperties::default()),
+        )
+        .await
+        .expect("connect timed out")
+        .expect("connect")
+    }
+
+    /// Stop the server as SIGTERM would, and wait for it.
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+    }
+}
+
+/// The AMQP reply code carried by a lapin error, if any.
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
+
+/// The reply code and text of a lapin error (panics on other errors).
+pub fn amqp_error(e: &lapin::Error) -> (u16, String) {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            (amqp.get_id(), amqp.get_message().as_str().to_string())
+        }
+        other => panic!("expected an AMQP error, got {other:?}"),
+    }
+}
+
+/// Next delivery from a consumer, within [`WAIT`].
+pub async fn next_delivery(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
+    tokio::time::timeout(WAIT, consumer.next())
+        .await
+        .expect("no delivery in time")
+        .expect("consumer ended")
+        .expect("delivery error")
+}
+
+/// Assert that no delivery arrives for a short while.
+pub async fn no_delivery(consumer: &mut lapin::Consumer) {
+    if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await {
+        panic!("unexpected delivery: {d:?}");
+    }
+}
+
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("{prefix}-{}", N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A client that speaks frames directly.
+pub struct Raw {
+    pub stream: TcpStream,
+    buf: BytesMut,
+    codec: FrameCodec,
+}
+
+impl Raw {
+    pub async fn tcp(addr: SocketAddr) -> Raw {
+        let stream = TcpStream::connect(addr).await.expect("tcp connect");
+        Raw {
+            stream,
+            buf: BytesMut::new(),
+            codec: FrameCodec::new(0),
+        }
+    }
+
+    pub async fn send_bytes(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).await.expect("write");
+    }
+
+    pub async fn send(&mut self, channel: u16, method: AMQPClass) {
+        let mut out = OutBuffer::new();
+        out.method(channel, &method);
+        self.send_bytes(out.as_slice()).await;
+    }
+
+    /// Raw bytes until EOF or [`WAIT`] (used for the protocol header answer).
+    pub async fn read_some(&mut self) -> Vec<u8> {
+        let mut data = vec![0u8; 64];
+        match tokio::time::timeout(WAIT, self.stream.read(&mut data)).await {
+            Ok(Ok(n)) => data[..n].to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Next frame; None at EOF. Panics after [`WAIT`].
+    pub async fn recv(&mut self) -> Option<Frame> {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            if let Some(frame) = self
+                .codec
+                .decode(&mut self.buf)
+                .expect("server sent a bad frame")
+            {
+                return Some(frame);
+            }
+            let mut chunk = [0u8; 8192];
+            let n = tokio::time::timeout_at(deadline, self.stream.read(&mut chunk))
+                .await
+                .expect("no frame from server in time")
+                .unwrap_or(0);
+            if n == 0 {
+                return None;
+            }
+            self.buf.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// Next method frame (heartbeats skipped).
+    pub async fn recv_method(&mut self) -> Option<(u16, AMQPClass)> {
+        loop {
+            match self.recv().await? {
+                Frame::Method(ch, m) => return Some((ch, m)),
+                Frame::Heartbeat(_) => continue,
+                other => panic!("expected a method, got {other:?}"),
+            }
+        }
+    }
+
+    /// Header, tune and open with guest/guest; returns the server's tune.
+    pub async fn handshake_with(
+        addr: SocketAddr,
+        channel_max: u16,
+        frame_max: u32,
+        heartbeat: u16,
+    ) -> (Raw, connection::Tune, connection::Start) {
+        let mut raw = Raw::tcp(addr).await;
+        raw.send_bytes(&PROTOCOL_HEADER).await;
+        let start = match raw.recv_method().await {
+            Some((0, AMQPClass::Connection(connection::AMQPMethod::Start(s)))) => s,
+            other => panic!("expected start, got {other:?}"),
+        };
+        let mut caps = amq_protocol::types::FieldTable::default();
+        caps.insert(
+            "authentication_failure_close".into(),
+            amq_protocol::types::AMQPValue::Boolean(true),
+        );
+        let mut props = amq_protocol::types::FieldTable::default();
+        props.insert(
+            "capabilities".into(),
+            amq_protocol::types::AMQPValue::FieldTable(caps),
+        );
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: props,
+                mechanism: "PLAIN".into(),
+                response: "\0guest\0guest".into(),
+                locale: "en_US".into(),
+            })),
+        )
+        .await;
+        let tune = match raw.recv_method().await {
+            Some((0, AMQPClass::Connection(connection::AMQPMethod::Tune(t)))) => t,
+            other => panic!("expected tune, got {other:?}"),
+        };
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max,
+                frame_max,
+                heartbeat,
+            })),
+        )
+        .await;
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host: "/".into(),
+            })),
+        )
+        .await;
+        match raw.recv_method().await {
+            Some((0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))) => {}
+            other => panic!("expected open-ok, got {other:?}"),
+        }
+        (raw, tune, start)
+    }
+
+    pub async fn handshake(addr: SocketAddr) -> Raw {
+        Self::handshake_with(addr, 2047, 131072, 0).await.0
+    }
+
+    pub async fn open_channel(&mut self, ch: u16) {
+        self.send(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await;
+        match self.recv_method().await {
+            Some((c, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))) if c == ch => {}
+            other => panic!("expected channel.open-ok, got {other:?}"),
+        }
+    }
+
+    /// Wait for connection.close (skipping other frames) and answer close-ok.
+    pub async fn expect_connection_close(&mut self) -> connection::Close {
+        loop {
+            match self.recv().await {
+                Some(Frame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))) => {
+                    let ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                        connection::CloseOk {},
+                    ));
+                    let mut out = OutBuffer::new();
+                    out.method(0, &ok);
+                    let _ = self.stream.write_all(out.as_slice()).await;
+                    return c;
+                }
+                Some(_) => continue,
+                None => panic!("socket closed without connection.close"),
+            }
+        }
+    }
+
+    /// Wait for channel.close on `ch`.
+    pub async fn expect_channel_close(&mut self, ch: u16) -> channel::Close {
+        loop {
+            match self.recv().await {
+                Some(Frame::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(close))))
+                    if c == ch =>
+                {
+                    return close;
+                }
+                Some(Frame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))) => {
+                    panic!("connection closed instead of channel: {c:?}")
+                }
+                Some(_) => continue,
+                None => panic!("socket closed"),
+            }
+        }
+    }
+
+    /// The server closes the socket (EOF) within [`WAIT`].
+    pub async fn expect_eof(&mut self) {
+        loop {
+            if self.recv().await.is_none() {
+                return;
+            }
+        }
+    }
+}

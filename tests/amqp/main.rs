@@ -1,0 +1,13 @@
+//! Integration tests: the real server over TCP, real lapin clients, raw frames for errors.
+//! One binary for all (one link step instead of one per file).
+
+mod common;
+
+mod basic;
+mod channel;
+mod confirm_tx;
+mod connection;
+mod errors;
+mod exchange;
+mod queue;
+mod routing;
