@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used)]
 //! Integration tests: the real server over TCP, real lapin clients, raw frames for errors.
 //! One binary for all (one link step instead of one per file).
 
