@@ -64,6 +64,10 @@ pub enum FrameError {
     BadMethod { class_id: u16, method_id: u16 },
     #[error("cannot decode content header")]
     BadHeader,
+    /// basic.qos with a prefetch size: RabbitMQ refuses it with 540 (amq-protocol drops the
+    /// field while parsing, so the codec checks the raw payload).
+    #[error("prefetch_size!=0 ({0})")]
+    PrefetchSize(u32),
     #[error("io: {0}")]
     Io(String),
 }
@@ -120,6 +124,12 @@ pub fn parse_method(payload: &[u8]) -> Result<AMQPClass, FrameError> {
             class_id,
             method_id,
         });
+    }
+    if (class_id, method_id) == (60, 10) && payload.len() >= 8 {
+        let size = u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]);
+        if size != 0 {
+            return Err(FrameError::PrefetchSize(size));
+        }
     }
     match parse_class(payload) {
         // Trailing bytes after a complete method are tolerated, as RabbitMQ does.

@@ -80,6 +80,8 @@ pub struct AmqpError {
     pub method_id: u16,
     /// true: connection.close; false: channel.close.
     pub hard: bool,
+    /// The offending method is decided (possibly "none", 0/0); `on` leaves it alone.
+    pub named: bool,
 }
 
 impl AmqpError {
@@ -91,6 +93,7 @@ impl AmqpError {
             class_id: 0,
             method_id: 0,
             hard: !code.is_soft(),
+            named: false,
         }
     }
 
@@ -104,11 +107,17 @@ impl AmqpError {
 
     /// Name the method that caused the error (unless one is named already).
     pub fn on(mut self, class_id: u16, method_id: u16) -> Self {
-        if self.class_id == 0 && self.method_id == 0 {
+        if !self.named {
             self.class_id = class_id;
             self.method_id = method_id;
+            self.named = true;
         }
         self
+    }
+
+    /// Report no method (class and method 0), as RabbitMQ does for some errors.
+    pub fn on_no_method(self) -> Self {
+        self.on(0, 0)
     }
 
     pub fn on_method(self, method: &AMQPClass) -> Self {

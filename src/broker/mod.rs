@@ -223,6 +223,15 @@ fn random_name(prefix: &str) -> String {
     format!("{prefix}{suffix}")
 }
 
+/// The `alternate-exchange` argument of an exchange, if it names one.
+fn alternate_exchange(args: &FieldTable) -> Option<&str> {
+    match args.inner().get("alternate-exchange") {
+        Some(AMQPValue::LongString(s)) => std::str::from_utf8(s.as_bytes()).ok(),
+        Some(AMQPValue::ShortString(s)) => Some(s.as_str()),
+        _ => None,
+    }
+}
+
 /// Text form of a value in "inequivalent arg" messages.
 fn show_value(v: Option<&AMQPValue>) -> String {
     match v {
@@ -238,6 +247,30 @@ fn show_value(v: Option<&AMQPValue>) -> String {
         Some(AMQPValue::LongUInt(x)) => format!("'{x}'"),
         Some(AMQPValue::LongLongInt(x)) => format!("'{x}'"),
         Some(other) => format!("{other:?}"),
+    }
+}
+
+/// RabbitMQ's name for a field type, as it prints it in errors.
+pub(crate) fn type_name(v: &AMQPValue) -> &'static str {
+    match v {
+        AMQPValue::Boolean(_) => "bool",
+        AMQPValue::ShortShortInt(_) => "byte",
+        AMQPValue::ShortShortUInt(_) => "unsignedbyte",
+        AMQPValue::ShortInt(_) => "short",
+        AMQPValue::ShortUInt(_) => "unsignedshort",
+        AMQPValue::LongInt(_) => "signedint",
+        AMQPValue::LongUInt(_) => "unsignedint",
+        AMQPValue::LongLongInt(_) => "long",
+        AMQPValue::Float(_) => "float",
+        AMQPValue::Double(_) => "double",
+        AMQPValue::DecimalValue(_) => "decimal",
+        AMQPValue::ShortString(_) => "shortstr",
+        AMQPValue::LongString(_) => "longstr",
+        AMQPValue::FieldArray(_) => "array",
+        AMQPValue::Timestamp(_) => "timestamp",
+        AMQPValue::FieldTable(_) => "table",
+        AMQPValue::ByteArray(_) => "binary",
+        AMQPValue::Void => "void",
     }
 }
 
@@ -661,12 +694,6 @@ impl Broker {
                 d.kind
             )));
         };
-        if d.name.starts_with("amq.") {
-            return Err(AmqpError::access_refused(format!(
-                "exchange name '{}' contains reserved prefix 'amq.*'",
-                d.name
-            )));
-        }
         if let Some(x) = v.exchanges.get(&d.name) {
             let what = xname(vhost, &d.name);
             let check = |arg: &str, received: String, current: String| {
@@ -698,6 +725,12 @@ impl Broker {
                 )));
             }
             return Ok(());
+        }
+        if d.name.starts_with("amq.") {
+            return Err(AmqpError::access_refused(format!(
+                "exchange name '{}' contains reserved prefix 'amq.*'",
+                d.name
+            )));
         }
         self.apply(
             &Op::DeclareExchange {
@@ -770,8 +803,14 @@ impl Broker {
         let v = self.vhost(vhost)?;
         for x in [destination, source] {
             if !v.exchanges.contains_key(x) {
+                if !bind {
+                    return Ok(());
+                }
                 return Err(AmqpError::not_found(format!("no {}", xname(vhost, x))));
             }
+        }
+        if bind {
+            self.validate_binding(vhost, source, arguments)?;
         }
         let op_dest = BindingDest::Exchange(destination.to_string());
         let (routing_key, arguments) = (routing_key.to_string(), encode_table(arguments));
@@ -793,6 +832,39 @@ impl Broker {
             }
         };
         self.apply(&op, fx)
+    }
+
+    /// Binding arguments a source exchange type checks (headers: x-match), with RabbitMQ's texts.
+    fn validate_binding(
+        &self,
+        vhost: &str,
+        source: &str,
+        arguments: &FieldTable,
+    ) -> Result<(), AmqpError> {
+        let Some(x) = self.vhost(vhost)?.exchanges.get(source) else {
+            return Ok(());
+        };
+        if x.kind != ExchangeKind::Headers {
+            return Ok(());
+        }
+        match arguments.inner().get("x-match") {
+            None => Ok(()),
+            Some(AMQPValue::LongString(s)) => {
+                let v = String::from_utf8_lossy(s.as_bytes());
+                if matches!(v.as_ref(), "all" | "any" | "all-with-x" | "any-with-x") {
+                    Ok(())
+                } else {
+                    Err(AmqpError::precondition_failed(format!(
+                        "Invalid x-match field value <<\"{v}\">>; expected all, any, all-with-x, or any-with-x"
+                    )))
+                }
+            }
+            Some(other) => Err(AmqpError::precondition_failed(format!(
+                "Invalid x-match field type {} (value {}); expected longstr",
+                type_name(other),
+                show_value(Some(other)).trim_matches('\'')
+            ))),
+        }
     }
 
     // ---------------------------------------------------------------- queues
@@ -923,12 +995,20 @@ impl Broker {
                 "operation not permitted on the default exchange",
             ));
         }
+        let exists = self.vhost(vhost)?.exchanges.contains_key(exchange);
+        if !bind && (!exists || self.queue_id(vhost, queue).is_err()) {
+            // RabbitMQ 3.x: unbinding from or to something missing is a no-op.
+            return Ok(());
+        }
         self.usable_queue(conn, vhost, queue)?;
-        if !self.vhost(vhost)?.exchanges.contains_key(exchange) {
+        if !exists {
             return Err(AmqpError::not_found(format!(
                 "no {}",
                 xname(vhost, exchange)
             )));
+        }
+        if bind {
+            self.validate_binding(vhost, exchange, arguments)?;
         }
         let dest = BindingDest::Queue(queue.to_string());
         let (routing_key, arguments) = (routing_key.to_string(), encode_table(arguments));
@@ -1103,6 +1183,19 @@ impl Broker {
         while let Some(x) = pending.pop() {
             dests.clear();
             x.route(key, headers, &mut dests);
+            if dests.is_empty() {
+                // RabbitMQ's rule: an exchange whose own bindings match nothing hands the message
+                // to its alternate exchange (chains followed, cycles cut by `visited`).
+                if let Some(ae) = alternate_exchange(&x.arguments) {
+                    if !visited.contains(&ae) {
+                        if let Some(next) = v.exchanges.get(ae) {
+                            visited.push(next.name.as_str());
+                            pending.push(next);
+                        }
+                    }
+                }
+                continue;
+            }
             for d in dests.iter() {
                 match d {
                     Dest::Queue(id) => queues.push(*id),
@@ -1465,10 +1558,29 @@ impl Broker {
                 touched.push(u.queue);
             }
         }
-        for id in touched {
+        self.dispatch_after_ack(conn, ch, touched, fx);
+        Ok(())
+    }
+
+    /// Dispatch the queues whose messages were settled, and, when a channel-wide limit is in
+    /// force, every queue the channel consumes from (the freed credit is shared).
+    fn dispatch_after_ack(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        mut queues: Vec<QueueId>,
+        fx: &mut Vec<Effect>,
+    ) {
+        if let Ok(state) = self.channel(conn, ch) {
+            if state.prefetch_channel > 0 {
+                queues.extend(state.consumers.iter().map(|c| c.queue));
+                queues.sort_unstable();
+                queues.dedup();
+            }
+        }
+        for id in queues {
             self.dispatch(id, fx);
         }
-        Ok(())
     }
 
     /// basic.nack / basic.reject: requeue at the original place, or drop.
@@ -1494,9 +1606,7 @@ impl Broker {
                 touched.push(u.queue);
             }
         }
-        for id in touched {
-            self.dispatch(id, fx);
-        }
+        self.dispatch_after_ack(conn, ch, touched, fx);
         Ok(())
     }
 

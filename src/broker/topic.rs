@@ -1,12 +1,20 @@
 //! Topic matching exactly as RabbitMQ does it: words are separated by `.`, empty words count
-//! (`a..b` has three words, `""` has one empty word), `*` matches exactly one word and `#` zero or
-//! more words.
+//! (`a..b` has three words, `a.` two), except that the empty string has no words at all (so `*`
+//! does not match `""` but `#` does). `*` matches exactly one word and `#` zero or more words.
 
 /// Whether `routing_key` matches the binding `pattern`.
 pub fn matches(pattern: &str, routing_key: &str) -> bool {
-    let p: Vec<&str> = pattern.split('.').collect();
-    let k: Vec<&str> = routing_key.split('.').collect();
+    let p = words(pattern);
+    let k = words(routing_key);
     match_words(&p, &k)
+}
+
+fn words(s: &str) -> Vec<&str> {
+    if s.is_empty() {
+        Vec::new()
+    } else {
+        s.split('.').collect()
+    }
 }
 
 fn match_words(p: &[&str], k: &[&str]) -> bool {
@@ -48,7 +56,10 @@ mod tests {
             ("a.#.c", "a.b.b.c", true),
             ("#", "", true),
             ("#", "a.b", true),
-            ("*", "", true),
+            ("*", "", false),
+            ("*.#", "", false),
+            ("#.*", "", false),
+            ("*.#", "a", true),
             ("*", "a.b", false),
             ("#.#", "a", true),
             ("#.#", "", true),

@@ -205,12 +205,6 @@ impl Session {
         use amq_protocol::protocol::channel::AMQPMethod as C;
         let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
         let result = (|| {
-            if ch > self.channel_max {
-                return Err(AmqpError::channel_error(format!(
-                    "channel number {ch} exceeds channel_max {}",
-                    self.channel_max
-                )));
-            }
             let Some(chan) = self.channels.get_mut(&ch) else {
                 return match method {
                     AMQPClass::Channel(C::Open(_)) => self.channel_open(ch),
@@ -289,6 +283,7 @@ impl Session {
                 method_id,
             } => AmqpError::new(ReplyCode::SyntaxError, e).on(*class_id, *method_id),
             FrameError::BadHeader => AmqpError::new(ReplyCode::SyntaxError, e),
+            FrameError::PrefetchSize(_) => AmqpError::new(ReplyCode::NotImplemented, e).on(60, 10),
             FrameError::Io(_) => return,
         };
         if self.phase == Phase::Closing {

@@ -8,6 +8,15 @@ use warren_protocol::AmqpError;
 
 impl Session {
     pub(crate) fn channel_open(&mut self, ch: u16) -> Result<(), AmqpError> {
+        // RabbitMQ enforces channel_max as a count of open channels, not a bound on numbers.
+        let open = self.channels.len();
+        if self.channel_max != 0 && open >= self.channel_max as usize {
+            return Err(AmqpError::not_allowed(format!(
+                "number of channels opened ({open}) has reached the negotiated channel_max ({})",
+                self.channel_max
+            ))
+            .on_no_method());
+        }
         let conn = self.conn;
         core(&self.shared, &mut self.fx, |b, _| b.channel_open(conn, ch));
         self.channels.insert(ch, Chan::default());
@@ -19,6 +28,8 @@ impl Session {
     pub(crate) fn channel_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
         match m {
             M::Open(_) => Err(AmqpError::channel_error("second 'channel.open' seen")),
+            // As RabbitMQ: clients may not pause deliveries with flow (use basic.qos).
+            M::Flow(f) if !f.active => Err(AmqpError::not_implemented("active=false")),
             M::Flow(f) => {
                 let conn = self.conn;
                 core(&self.shared, &mut self.fx, |b, fx| {
@@ -39,8 +50,10 @@ impl Session {
                     .method(ch, &AMQPClass::Channel(M::CloseOk(channel::CloseOk {})));
                 Ok(())
             }
-            // close-ok on a channel we are not closing: RabbitMQ ignores it too.
-            M::CloseOk(_) => Ok(()),
+            // close-ok on a channel we are not closing.
+            M::CloseOk(_) => Err(AmqpError::command_invalid(
+                "unexpected command while processing 'channel.close-ok'",
+            )),
             M::OpenOk(_) => Err(AmqpError::command_invalid(
                 "channel.open-ok is a server method",
             )),

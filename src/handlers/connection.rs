@@ -153,10 +153,10 @@ impl Session {
             AmqpError::connection(
                 ReplyCode::AccessRefused,
                 format!(
-                    "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+                                        "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
                 ),
             )
-            .on(10, 11)
+            .on_no_method()
         };
         let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {
             return Err(refused());
@@ -257,11 +257,10 @@ impl Session {
     /// Methods on channel 0 once the connection is open.
     pub(crate) fn connection_method(&mut self, method: AMQPClass) -> Result<Next, AmqpError> {
         let AMQPClass::Connection(m) = method else {
-            return Err(AmqpError::command_invalid(format!(
-                "class {} method on channel 0",
-                method.get_amqp_class_id()
-            ))
-            .on_method(&method));
+            return Err(
+                AmqpError::channel_error("unexpected method in connection state running")
+                    .on_method(&method),
+            );
         };
         match m {
             M::Close(c) => {

@@ -22,45 +22,32 @@ async fn many_channels_open_and_close() {
 }
 
 #[tokio::test]
-async fn channel_flow_pauses_and_resumes_deliveries() {
+async fn channel_flow_active_is_acknowledged_and_pausing_is_refused_like_rabbitmq() {
     let server = TestServer::start().await;
     let conn = server.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let q = ch
-        .queue_declare("".into(), Default::default(), Default::default())
-        .await
-        .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            q.name().clone(),
-            "".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    let active = ch
-        .channel_flow(ChannelFlowOptions { active: false })
-        .await
-        .unwrap();
-    assert!(!active);
-    let publisher = conn.create_channel().await.unwrap();
-    publisher
-        .basic_publish(
-            "".into(),
-            q.name().clone(),
-            Default::default(),
-            b"x",
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    no_delivery(&mut consumer).await;
     assert!(ch
         .channel_flow(ChannelFlowOptions { active: true })
         .await
         .unwrap());
-    assert_eq!(next_delivery(&mut consumer).await.data, b"x");
+    // RabbitMQ answers flow(active=false) with 540 NOT_IMPLEMENTED on the connection.
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: false })),
+    )
+    .await;
+    let close = raw.expect_connection_close().await;
+    assert_eq!(
+        (
+            close.reply_code,
+            close.reply_text.as_str(),
+            close.class_id,
+            close.method_id
+        ),
+        (540, "NOT_IMPLEMENTED - active=false", 20, 20)
+    );
 }
 
 #[tokio::test]
@@ -96,17 +83,56 @@ async fn second_open_on_the_same_channel_is_504() {
 }
 
 #[tokio::test]
-async fn channel_above_channel_max_is_refused() {
+async fn channel_max_limits_how_many_channels_are_open() {
+    // As RabbitMQ: channel_max bounds the number of open channels, not the channel numbers.
     let server = TestServer::start().await;
-    let (mut raw, _, _) = Raw::handshake_with(server.addr, 10, 131072, 0).await;
-    raw.open_channel(10).await;
+    let (mut raw, _, _) = Raw::handshake_with(server.addr, 2, 131072, 0).await;
+    raw.open_channel(7).await;
+    raw.open_channel(3000).await;
     raw.send(
-        11,
+        1,
         AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
     )
     .await;
     let close = raw.expect_connection_close().await;
-    assert_eq!(close.reply_code, 504);
+    assert_eq!(close.reply_code, 530);
+    assert_eq!(
+        close.reply_text.as_str(),
+        "NOT_ALLOWED - number of channels opened (2) has reached the negotiated channel_max (2)"
+    );
+}
+
+#[tokio::test]
+async fn unsolicited_channel_close_ok_is_503() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    )
+    .await;
+    let close = raw.expect_connection_close().await;
+    assert_eq!(
+        (close.reply_code, close.class_id, close.method_id),
+        (503, 20, 41)
+    );
+}
+
+#[tokio::test]
+async fn queue_method_on_channel_zero_is_504() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.send(
+        0,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare::default())),
+    )
+    .await;
+    let close = raw.expect_connection_close().await;
+    assert_eq!(
+        (close.reply_code, close.class_id, close.method_id),
+        (504, 50, 10)
+    );
 }
 
 #[tokio::test]

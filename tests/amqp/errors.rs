@@ -129,6 +129,24 @@ async fn unknown_method_is_540() {
 }
 
 #[tokio::test]
+async fn prefetch_size_is_540() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    // basic.qos with prefetch_size 1000, prefetch_count 0, global false.
+    raw.send_bytes(&[
+        1, 0, 1, 0, 0, 0, 11, 0, 60, 0, 10, 0, 0, 3, 232, 0, 0, 0, 206,
+    ])
+    .await;
+    let close = expect_hard(&mut raw, 540).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "NOT_IMPLEMENTED - prefetch_size!=0 (1000)"
+    );
+    assert_eq!((close.class_id, close.method_id), (60, 10));
+}
+
+#[tokio::test]
 async fn immediate_publish_is_540() {
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;

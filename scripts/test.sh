@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run every test: formatting, lints, unit and integration tests (cargo), then the black-box
+# client suites in compat/ against the built binary.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+ensure_system_packages
+ensure_python_env
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+echo "== cargo test"
+cargo test --workspace
+echo "== compat suites against the warren binary"
+cargo build --bin warren
+bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"
