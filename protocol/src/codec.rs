@@ -50,20 +50,30 @@ impl Frame {
 }
 
 /// Why a byte stream is not a valid frame. Every variant is a connection error.
+///
+/// The texts follow RabbitMQ's (it prints the frame type and payload as Erlang terms), since
+/// clients and operators grep for them.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum FrameError {
-    #[error("frame size {size} exceeds max {max}")]
-    TooLarge { size: u32, max: u32 },
-    #[error("bad frame end marker {0:#x}")]
-    BadFrameEnd(u8),
-    #[error("unknown frame type {0}")]
-    UnknownType(u8),
+    #[error("type {frame_type}, all octets = <<>>: {{frame_too_large,{size},{limit}}}", limit = max.saturating_sub(8))]
+    TooLarge { frame_type: u8, size: u32, max: u32 },
+    #[error("type {frame_type}, all octets = <<>>: {{invalid_frame_end_marker,{end}}}")]
+    BadFrameEnd { frame_type: u8, end: u8 },
+    #[error(
+        "type {frame_type}, all octets = {}: unknown_frame",
+        erlang_binary(payload)
+    )]
+    UnknownType { frame_type: u8, payload: Bytes },
     #[error("unknown method {class_id}.{method_id}")]
     UnknownMethod { class_id: u16, method_id: u16 },
-    #[error("cannot decode method {class_id}.{method_id}")]
-    BadMethod { class_id: u16, method_id: u16 },
-    #[error("cannot decode content header")]
-    BadHeader,
+    #[error("cannot decode {}", erlang_binary(arguments))]
+    BadMethod {
+        class_id: u16,
+        method_id: u16,
+        arguments: Bytes,
+    },
+    #[error("cannot decode content header {}", erlang_binary(payload))]
+    BadHeader { payload: Bytes },
     /// basic.qos with a prefetch size: RabbitMQ refuses it with 540 (amq-protocol drops the
     /// field while parsing, so the codec checks the raw payload).
     #[error("prefetch_size!=0 ({0})")]
@@ -109,12 +119,34 @@ fn method_known(class_id: u16, method_id: u16) -> bool {
     methods.contains(&method_id)
 }
 
+/// Format bytes as Erlang prints a binary: `<<"text">>` when printable, else `<<1,2,3>>`
+/// (cut after 64 bytes).
+pub fn erlang_binary(bytes: &[u8]) -> String {
+    let cut = &bytes[..bytes.len().min(64)];
+    let more = if bytes.len() > cut.len() { ",..." } else { "" };
+    if !cut.is_empty() && cut.iter().all(|b| (0x20..0x7f).contains(b)) {
+        let text: String = cut
+            .iter()
+            .flat_map(|&b| match b {
+                b'"' => vec!['\\', '"'],
+                b'\\' => vec!['\\', '\\'],
+                b => vec![b as char],
+            })
+            .collect();
+        format!("<<\"{text}\"{more}>>")
+    } else {
+        let nums: Vec<String> = cut.iter().map(|b| b.to_string()).collect();
+        format!("<<{}{more}>>", nums.join(","))
+    }
+}
+
 /// Parse one method payload (class id, method id, arguments).
-pub fn parse_method(payload: &[u8]) -> Result<AMQPClass, FrameError> {
+pub fn parse_method(payload: &Bytes) -> Result<AMQPClass, FrameError> {
     if payload.len() < 4 {
         return Err(FrameError::BadMethod {
             class_id: 0,
             method_id: 0,
+            arguments: payload.clone(),
         });
     }
     let class_id = u16::from_be_bytes([payload[0], payload[1]]);
@@ -131,12 +163,13 @@ pub fn parse_method(payload: &[u8]) -> Result<AMQPClass, FrameError> {
             return Err(FrameError::PrefetchSize(size));
         }
     }
-    match parse_class(payload) {
+    match parse_class(&payload[..]) {
         // Trailing bytes after a complete method are tolerated, as RabbitMQ does.
         Ok((_rest, class)) => Ok(class),
         Err(_) => Err(FrameError::BadMethod {
             class_id,
             method_id,
+            arguments: payload.slice(4..),
         }),
     }
 }
@@ -152,19 +185,11 @@ impl Decoder for FrameCodec {
         let frame_type = src[0];
         let channel = u16::from_be_bytes([src[1], src[2]]);
         let size = u32::from_be_bytes([src[3], src[4], src[5], src[6]]);
-        if !matches!(
-            frame_type,
-            constants::FRAME_METHOD
-                | constants::FRAME_HEADER
-                | constants::FRAME_BODY
-                | constants::FRAME_HEARTBEAT
-        ) {
-            return Err(FrameError::UnknownType(frame_type));
-        }
         // RabbitMQ compares the payload size with frame_max (it allows the 8 octets of framing on
         // top, its "fudge"); clients in the wild rely on that leniency, so we do the same.
         if self.frame_max != 0 && size > self.frame_max {
             return Err(FrameError::TooLarge {
+                frame_type,
                 size,
                 max: self.frame_max,
             });
@@ -176,16 +201,30 @@ impl Decoder for FrameCodec {
         }
         let end = src[total - 1];
         if end != constants::FRAME_END {
-            return Err(FrameError::BadFrameEnd(end));
+            return Err(FrameError::BadFrameEnd { frame_type, end });
         }
         src.advance(7);
         let payload = src.split_to(size as usize).freeze();
         src.advance(1);
+        if !matches!(
+            frame_type,
+            constants::FRAME_METHOD
+                | constants::FRAME_HEADER
+                | constants::FRAME_BODY
+                | constants::FRAME_HEARTBEAT
+        ) {
+            return Err(FrameError::UnknownType {
+                frame_type,
+                payload,
+            });
+        }
         let frame = match frame_type {
             constants::FRAME_METHOD => Frame::Method(channel, parse_method(&payload)?),
             constants::FRAME_HEADER => {
                 let header = parse_content_header(&payload[..])
-                    .map_err(|_| FrameError::BadHeader)?
+                    .map_err(|_| FrameError::BadHeader {
+                        payload: payload.clone(),
+                    })?
                     .1;
                 // class-id (2) + weight (2) + body size (8) precede the property flags.
                 Frame::Header {
@@ -375,12 +414,18 @@ mod tests {
     fn oversize_frame_is_rejected_before_buffering() {
         let mut codec = FrameCodec::new(4096);
         let mut buf = BytesMut::from(&[3u8, 0, 1, 0, 1, 0, 0][..]);
+        let err = codec.decode(&mut buf).unwrap_err();
         assert_eq!(
-            codec.decode(&mut buf),
-            Err(FrameError::TooLarge {
+            err,
+            FrameError::TooLarge {
+                frame_type: 3,
                 size: 65536,
                 max: 4096
-            })
+            }
+        );
+        assert_eq!(
+            err.to_string(),
+            "type 3, all octets = <<>>: {frame_too_large,65536,4088}"
         );
     }
 
@@ -392,11 +437,19 @@ mod tests {
         let mut codec = FrameCodec::new(0);
         assert_eq!(
             codec.decode(&mut BytesMut::from(&bytes[..])),
-            Err(FrameError::BadFrameEnd(0))
+            Err(FrameError::BadFrameEnd {
+                frame_type: 1,
+                end: 0
+            })
         );
+        let err = codec
+            .decode(&mut BytesMut::from(
+                &[9u8, 0, 0, 0, 0, 0, 3, b'a', b'b', b'c', 206][..],
+            ))
+            .unwrap_err();
         assert_eq!(
-            codec.decode(&mut BytesMut::from(&[9u8, 0, 0, 0, 0, 0, 0, 206][..])),
-            Err(FrameError::UnknownType(9))
+            err.to_string(),
+            "type 9, all octets = <<\"abc\">>: unknown_frame"
         );
         let unknown = [1u8, 0, 1, 0, 0, 0, 4, 0, 50, 0, 99, 206];
         assert_eq!(
@@ -408,13 +461,8 @@ mod tests {
         );
         // queue.declare with a truncated argument list.
         let broken = [1u8, 0, 1, 0, 0, 0, 6, 0, 50, 0, 10, 0, 0, 206];
-        assert_eq!(
-            codec.decode(&mut BytesMut::from(&broken[..])),
-            Err(FrameError::BadMethod {
-                class_id: 50,
-                method_id: 10
-            })
-        );
+        let err = codec.decode(&mut BytesMut::from(&broken[..])).unwrap_err();
+        assert_eq!(err.to_string(), "cannot decode <<0,0>>");
     }
 
     #[test]

@@ -52,21 +52,30 @@ impl ContentAssembler {
     /// A basic.publish arrived. Any other method while content is pending is the caller's 505.
     pub fn publish(&mut self, publish: Publish) -> Result<(), AmqpError> {
         if !self.is_idle() {
-            return Err(self.unexpected("basic.publish"));
+            return Err(self.unexpected());
         }
         self.state = State::AwaitingHeader(publish);
         Ok(())
     }
 
     /// The error for a method frame arriving while content is expected.
-    pub fn unexpected(&self, what: &str) -> AmqpError {
+    pub fn unexpected(&self) -> AmqpError {
         let text = match self.state {
             State::AwaitingHeader(_) => {
-                format!("expected content header for class 60, got non content header frame instead ({what})")
+                "expected content header for class 60, got non content header frame instead"
             }
-            _ => format!("expected content body, got non content body frame instead ({what})"),
+            _ => "expected content body, got non content body frame instead",
         };
         AmqpError::connection(ReplyCode::UnexpectedFrame, text).on(PUBLISH.0, PUBLISH.1)
+    }
+
+    /// A content frame where a method was expected (RabbitMQ names no method).
+    fn no_content_expected() -> AmqpError {
+        AmqpError::connection(
+            ReplyCode::UnexpectedFrame,
+            "expected method frame, got non method frame instead",
+        )
+        .on_no_method()
     }
 
     pub fn header(
@@ -78,12 +87,10 @@ impl ContentAssembler {
     ) -> Result<Option<Content>, AmqpError> {
         let publish = match std::mem::take(&mut self.state) {
             State::AwaitingHeader(p) => p,
+            State::Idle => return Err(Self::no_content_expected()),
             other => {
                 self.state = other;
-                return Err(AmqpError::connection(
-                    ReplyCode::UnexpectedFrame,
-                    "unexpected content header frame",
-                ));
+                return Err(self.unexpected());
             }
         };
         if class_id != 60 {
@@ -122,10 +129,10 @@ impl ContentAssembler {
             ..
         } = &mut self.state
         else {
-            return Err(AmqpError::connection(
-                ReplyCode::UnexpectedFrame,
-                "unexpected content body frame",
-            ));
+            if self.is_idle() {
+                return Err(Self::no_content_expected());
+            }
+            return Err(self.unexpected());
         };
         let have = if rest.is_empty() {
             first.as_ref().map_or(0, |b| b.len())

@@ -170,10 +170,11 @@ impl Session {
         }
         match frame {
             Frame::Heartbeat(0) => Ok(Next::Continue),
-            Frame::Heartbeat(ch) => Err(AmqpError::new(
-                ReplyCode::FrameError,
-                format!("heartbeat frame on channel {ch}"),
-            )),
+            Frame::Heartbeat(_) => Err(AmqpError::new(
+                ReplyCode::UnexpectedFrame,
+                "type 8, all octets = <<>>",
+            )
+            .on_no_method()),
             Frame::Method(0, method) => self.connection_method(method),
             Frame::Method(ch, method) => {
                 self.channel_method(ch, method)?;
@@ -231,7 +232,7 @@ impl Session {
                 return Ok(());
             }
             if !chan.content.is_idle() {
-                return Err(chan.content.unexpected(&format!("{class_id}.{method_id}")));
+                return Err(chan.content.unexpected());
             }
             match method {
                 AMQPClass::Channel(m) => self.channel_class(ch, m),
@@ -272,17 +273,21 @@ impl Session {
     pub fn frame_error(&mut self, e: &FrameError) {
         let err = match e {
             FrameError::TooLarge { .. }
-            | FrameError::BadFrameEnd(_)
-            | FrameError::UnknownType(_) => AmqpError::new(ReplyCode::FrameError, e),
+            | FrameError::BadFrameEnd { .. }
+            | FrameError::UnknownType { .. }
+            | FrameError::BadHeader { .. } => {
+                AmqpError::new(ReplyCode::FrameError, e).on_no_method()
+            }
             FrameError::UnknownMethod {
                 class_id,
                 method_id,
             } => AmqpError::new(ReplyCode::NotImplemented, e).on(*class_id, *method_id),
+            // RabbitMQ reports undecodable arguments as a frame error naming the method.
             FrameError::BadMethod {
                 class_id,
                 method_id,
-            } => AmqpError::new(ReplyCode::SyntaxError, e).on(*class_id, *method_id),
-            FrameError::BadHeader => AmqpError::new(ReplyCode::SyntaxError, e),
+                ..
+            } => AmqpError::new(ReplyCode::FrameError, e).on(*class_id, *method_id),
             FrameError::PrefetchSize(_) => AmqpError::new(ReplyCode::NotImplemented, e).on(60, 10),
             FrameError::Io(_) => return,
         };

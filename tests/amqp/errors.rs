@@ -75,7 +75,12 @@ async fn frame_larger_than_frame_max_is_501() {
     frame.extend_from_slice(&[0u8; 8000]);
     frame.push(206);
     raw.send_bytes(&frame).await;
-    expect_hard(&mut raw, 501).await;
+    let close = expect_hard(&mut raw, 501).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "FRAME_ERROR - type 3, all octets = <<>>: {frame_too_large,8000,4088}"
+    );
+    assert_eq!((close.class_id, close.method_id), (0, 0));
     bystander.still_fine().await;
 }
 
@@ -106,14 +111,19 @@ async fn unknown_frame_type_is_501() {
 }
 
 #[tokio::test]
-async fn malformed_method_arguments_are_502() {
+async fn malformed_method_arguments_are_501_naming_the_method() {
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;
     raw.open_channel(1).await;
     // queue.declare whose queue-name length runs past the payload.
     raw.send_bytes(&[1, 0, 1, 0, 0, 0, 6, 0, 50, 0, 10, 0, 0, 206])
         .await;
-    let close = expect_hard(&mut raw, 502).await;
+    // RabbitMQ: 501 FRAME_ERROR "cannot decode ..." with the method's ids.
+    let close = expect_hard(&mut raw, 501).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "FRAME_ERROR - cannot decode <<0,0>>"
+    );
     assert_eq!((close.class_id, close.method_id), (50, 10));
 }
 
@@ -172,7 +182,11 @@ async fn content_header_without_publish_is_505() {
     let mut out = OutBuffer::new();
     out.content(1, &[0, 0], b"orphan", 131072);
     raw.send_bytes(out.as_slice()).await;
-    expect_hard(&mut raw, 505).await;
+    let close = expect_hard(&mut raw, 505).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "UNEXPECTED_FRAME - expected method frame, got non method frame instead"
+    );
     bystander.still_fine().await;
 }
 
@@ -200,15 +214,24 @@ async fn method_where_content_is_expected_is_505() {
         AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare::default())),
     )
     .await;
-    expect_hard(&mut raw, 505).await;
+    let close = expect_hard(&mut raw, 505).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "UNEXPECTED_FRAME - expected content header for class 60, got non content header frame instead"
+    );
+    assert_eq!((close.class_id, close.method_id), (60, 40));
 }
 
 #[tokio::test]
-async fn heartbeat_on_a_channel_is_501() {
+async fn heartbeat_on_a_channel_is_505() {
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;
     raw.send_bytes(&[8, 0, 1, 0, 0, 0, 0, 206]).await;
-    expect_hard(&mut raw, 501).await;
+    let close = expect_hard(&mut raw, 505).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "UNEXPECTED_FRAME - type 8, all octets = <<>>"
+    );
 }
 
 #[tokio::test]
