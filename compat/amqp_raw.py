@@ -47,7 +47,11 @@ QUEUE_DECLARE_OK = (50, 11)
 BASIC_CONSUME = (60, 20)
 BASIC_CONSUME_OK = (60, 21)
 BASIC_PUBLISH = (60, 40)
+BASIC_RETURN = (60, 50)
 BASIC_DELIVER = (60, 60)
+BASIC_GET = (60, 70)
+BASIC_GET_OK = (60, 71)
+BASIC_GET_EMPTY = (60, 72)
 BASIC_ACK = (60, 80)
 BASIC_NACK = (60, 120)
 CONFIRM_SELECT = (85, 10)
@@ -139,6 +143,10 @@ def queue_declare_args(name="", passive=False, durable=False, exclusive=False,
 def basic_publish_args(exchange="", routing_key="", mandatory=False, immediate=False):
     return (struct.pack(">H", 0) + shortstr(exchange) + shortstr(routing_key)
             + bits(mandatory, immediate))
+
+
+def basic_get_args(queue, no_ack=True):
+    return struct.pack(">H", 0) + shortstr(queue) + bits(no_ack)
 
 
 def basic_consume_args(queue, tag="", no_local=False, no_ack=False,
@@ -390,6 +398,20 @@ class RawConnection:
                      heartbeat)
         self.open(vhost)
         return t
+
+    def read_content(self, channel):
+        """After a get-ok/deliver/return: (header_payload, body_bytes, n_body_frames)."""
+        hdr = self.read_frame()
+        assert hdr.type == FRAME_HEADER and hdr.channel == channel, hdr
+        size = struct.unpack_from(">Q", hdr.payload, 4)[0]
+        body, n = b"", 0
+        while len(body) < size:
+            fr = self.read_frame()
+            assert fr.type == FRAME_BODY and fr.channel == channel, fr
+            body += fr.payload
+            n += 1
+        assert len(body) == size
+        return hdr.payload, body, n
 
     # -- channels / errors ----------------------------------------------
     def open_channel(self, channel):

@@ -1,7 +1,6 @@
 """Connection-level behaviour: handshake, properties, auth, tuning, heartbeats."""
 
 import socket
-import struct
 import time
 
 import pika
@@ -119,7 +118,7 @@ def test_login_mechanisms_succeed(mechanism):
 
 
 def test_unknown_mechanism_drops_connection():
-    # RabbitMQ: unknown mechanism during 'starting' is a handshake error; it
+    # SURPRISE: unknown mechanism during 'starting' is a handshake error; it
     # waits ~3 s (anti brute-force delay) and closes the socket without any
     # connection.close frame.
     with raw_connection(handshake=False) as c:
@@ -175,7 +174,7 @@ def test_frame_max_is_enforced_after_tune():
 
 
 def test_channel_max_limits_number_of_open_channels():
-    # RabbitMQ enforces channel_max as a *count* of open channels: with
+    # SURPRISE: RabbitMQ enforces channel_max as a *count* of open channels: with
     # channel_max=3, the 4th simultaneous channel.open gets connection.close
     # 530 NOT_ALLOWED ("number of channels opened (3) has reached the
     # negotiated channel_max (3)"), class/method 0/0.
@@ -220,7 +219,7 @@ def test_pika_channel_max(connect):
 # --------------------------------------------------------------------------
 
 def test_heartbeat_timeout_disconnects_silent_client():
-    # Negotiate heartbeat=1 then never send anything.  RabbitMQ sends its own
+    # SURPRISE (no close frame): negotiate heartbeat=1, stay silent.  RabbitMQ sends its own
     # heartbeat frames and, after ~2 missed client heartbeats, closes the
     # socket WITHOUT a connection.close frame (observed: ~3 s).
     c = raw_connection(handshake=False)
@@ -281,7 +280,7 @@ def test_client_close_gets_close_ok():
         fr = c.read_method()
         assert fr.channel == 0
         assert method_of(fr) == CONNECTION_CLOSE_OK
-        # NOTE: RabbitMQ does not close the socket right after close-ok; the
+        # SURPRISE: RabbitMQ does not close the socket right after close-ok; the
         # client (who initiated the close) is expected to do it.
 
 

@@ -4,6 +4,7 @@
 //! `server` accepts connections and owns shared state.
 
 pub mod broker;
+pub mod commit;
 pub mod config;
 pub mod conn;
 mod handlers;

@@ -1,6 +1,7 @@
 //! Accept loop, the state every connection shares, and graceful shutdown.
 
 use crate::broker::{Broker, ConnId, Effect};
+use crate::commit::{Committer, Done};
 use crate::config::Config;
 use crate::conn::{self, outbox::Outbox};
 use amq_protocol::protocol::{basic, AMQPClass};
@@ -22,15 +23,107 @@ pub struct Shared {
     pub broker: Mutex<Broker>,
     /// Where to send frames for each connection (deliveries produced by other connections).
     pub outboxes: RwLock<HashMap<ConnId, Arc<Outbox>>>,
+    /// Writes durable changes to the store (None: nothing is kept across restarts).
+    pub committer: Option<Committer>,
+}
+
+/// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
+/// in the order they were made (the lock orders them).
+pub struct BrokerGuard<'a> {
+    shared: &'a Shared,
+    guard: parking_lot::MutexGuard<'a, Broker>,
+    notify: Option<tokio::sync::mpsc::UnboundedSender<Done>>,
+}
+
+impl std::ops::Deref for BrokerGuard<'_> {
+    type Target = Broker;
+    fn deref(&self) -> &Broker {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for BrokerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Broker {
+        &mut self.guard
+    }
+}
+
+impl BrokerGuard<'_> {
+    /// Submit pending durable changes now; returns the commit ticket, if there were any.
+    pub fn flush(&mut self) -> Option<u64> {
+        let committer = self.shared.committer.as_ref()?;
+        let ops = self.guard.take_journal();
+        if ops.is_empty() {
+            return None;
+        }
+        Some(committer.submit(ops, self.notify.clone()))
+    }
+}
+
+impl Drop for BrokerGuard<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
 }
 
 impl Shared {
+    /// A broker that keeps nothing across restarts.
     pub fn new(config: Config) -> Arc<Self> {
         Arc::new(Shared {
             config,
             broker: Mutex::new(Broker::new()),
             outboxes: RwLock::new(HashMap::new()),
+            committer: None,
         })
+    }
+
+    /// A broker on its data folder: open the store, rebuild the state from it through the same
+    /// `apply` live traffic uses, then record every durable change.
+    pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context;
+        let path = config.data_dir.join("store");
+        let store = warren_storage::rocks::RocksStore::open(&path)
+            .with_context(|| format!("opening the store in {}", path.display()))?;
+        let ops = warren_storage::Store::recover(&store)
+            .with_context(|| format!("reading the store in {}", path.display()))?;
+        let mut broker = Broker::new();
+        let mut fx = Vec::new();
+        let (mut messages, mut definitions) = (0usize, 0usize);
+        for op in &ops {
+            match op {
+                warren_storage::Op::Enqueue { .. } => messages += 1,
+                _ => definitions += 1,
+            }
+            broker
+                .apply(op, &mut fx)
+                .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
+        }
+        broker.mark_recovered();
+        broker.enable_journal();
+        info!(definitions, messages, path = %path.display(), "recovered");
+        Ok(Arc::new(Shared {
+            config,
+            broker: Mutex::new(broker),
+            outboxes: RwLock::new(HashMap::new()),
+            committer: Some(Committer::start(Arc::new(store))),
+        }))
+    }
+
+    /// Lock the broker; durable changes made under this lock go to the store when it drops.
+    pub fn lock(&self) -> BrokerGuard<'_> {
+        self.lock_notify(None)
+    }
+
+    /// Like `lock`, telling `notify` when the changes are durable.
+    pub fn lock_notify(
+        &self,
+        notify: Option<tokio::sync::mpsc::UnboundedSender<Done>>,
+    ) -> BrokerGuard<'_> {
+        BrokerGuard {
+            shared: self,
+            guard: self.broker.lock(),
+            notify,
+        }
     }
 
     /// Carry out what the core asked for. Call with the broker lock held, so that frames reach
@@ -97,7 +190,7 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    let shared = Shared::new(config);
+    let shared = Shared::open(config)?;
     serve(listener, shared, shutdown).await
 }
 
@@ -109,6 +202,21 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let tracker = TaskTracker::new();
+    // Expired messages leave their queues even when nobody consumes (RabbitMQ removes them at
+    // the head); a tick is cheap when no queue holds expiring messages.
+    let ticker = tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let mut broker = shared.lock();
+                broker.set_clock(crate::conn::session::now_ms());
+                broker.expire();
+            }
+        }
+    });
     info!(addr = %listener.local_addr()?, "listening for AMQP");
     tokio::pin!(shutdown);
     loop {
@@ -134,6 +242,7 @@ pub async fn serve(
         }
     }
     info!("shutting down: closing connections");
+    ticker.abort();
     drop(listener);
     let _ = stop_tx.send(true);
     tracker.close();

@@ -9,6 +9,7 @@
 //! typed [`Op`]: the live command path validates, builds the op and applies it, and crash
 //! recovery (and, later, cluster followers) replay ops through the same function.
 
+pub mod args;
 pub mod exchange;
 pub mod headers;
 pub mod queue;
@@ -36,6 +37,8 @@ pub struct Message {
     /// Encoded properties exactly as published; sent unchanged on delivery.
     pub raw_properties: Bytes,
     pub body: Bytes,
+    /// The `expiration` property, parsed (ms).
+    pub expiration: Option<u64>,
 }
 
 impl Message {
@@ -180,6 +183,15 @@ pub struct Broker {
     next_queue_id: QueueId,
     next_message_id: u64,
     next_conn_id: ConnId,
+    /// The time, in ms since the epoch, as the caller last set it (`set_clock`). The core never
+    /// reads a clock itself, so replaying ops gives the same state.
+    now_ms: u64,
+    /// Queues that hold messages with an expiry; `expire` visits only these.
+    expiring: std::collections::BTreeSet<QueueId>,
+    /// Record durable changes as ops in `journal` (off while recovering, and with no store).
+    journal_enabled: bool,
+    /// Durable changes not yet handed to the store (see `take_journal`).
+    journal: Vec<Op>,
 }
 
 impl Default for Broker {
@@ -221,6 +233,22 @@ fn random_name(prefix: &str) -> String {
         .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
         .collect();
     format!("{prefix}{suffix}")
+}
+
+/// Journal the removal of message `id` from stored queue `q`, merged into the previous op when
+/// that removes from the same queue.
+fn push_removal(journal: &mut Vec<Op>, q: &Queue, id: u64) {
+    if let Some(Op::Remove { vhost, queue, ids }) = journal.last_mut() {
+        if *vhost == q.vhost && *queue == q.name {
+            ids.push(id);
+            return;
+        }
+    }
+    journal.push(Op::Remove {
+        vhost: q.vhost.clone(),
+        queue: q.name.clone(),
+        ids: vec![id],
+    });
 }
 
 /// The `alternate-exchange` argument of an exchange, if it names one.
@@ -274,49 +302,6 @@ pub(crate) fn type_name(v: &AMQPValue) -> &'static str {
     }
 }
 
-/// Queue arguments RabbitMQ compares on redeclare; others are stored but not compared.
-const COMPARED_QUEUE_ARGS: &[&str] = &[
-    "x-expires",
-    "x-message-ttl",
-    "x-dead-letter-exchange",
-    "x-dead-letter-routing-key",
-    "x-max-length",
-    "x-max-length-bytes",
-    "x-max-in-memory-length",
-    "x-max-in-memory-bytes",
-    "x-max-priority",
-    "x-overflow",
-    "x-queue-mode",
-    "x-queue-type",
-    "x-single-active-consumer",
-    "x-delivery-limit",
-    "x-queue-master-locator",
-    "x-queue-leader-locator",
-];
-
-fn values_equivalent(a: Option<&AMQPValue>, b: Option<&AMQPValue>) -> bool {
-    fn int(v: &AMQPValue) -> Option<i128> {
-        Some(match v {
-            AMQPValue::ShortShortInt(x) => *x as i128,
-            AMQPValue::ShortShortUInt(x) => *x as i128,
-            AMQPValue::ShortInt(x) => *x as i128,
-            AMQPValue::ShortUInt(x) => *x as i128,
-            AMQPValue::LongInt(x) => *x as i128,
-            AMQPValue::LongUInt(x) => *x as i128,
-            AMQPValue::LongLongInt(x) => *x as i128,
-            _ => return None,
-        })
-    }
-    match (a, b) {
-        (None, None) => true,
-        (Some(x), Some(y)) => match (int(x), int(y)) {
-            (Some(i), Some(j)) => i == j,
-            _ => x == y,
-        },
-        _ => false,
-    }
-}
-
 impl Broker {
     /// A broker with the default vhost "/" and its predeclared exchanges.
     pub fn new() -> Self {
@@ -327,6 +312,10 @@ impl Broker {
             next_queue_id: 1,
             next_message_id: 1,
             next_conn_id: 1,
+            now_ms: 0,
+            expiring: Default::default(),
+            journal_enabled: false,
+            journal: Vec::new(),
         };
         b.add_vhost("/");
         b
@@ -364,6 +353,119 @@ impl Broker {
                 queues: HashMap::new(),
             },
         );
+    }
+
+    /// Recovery is over. Every recovered message is marked redelivered: the store does not
+    /// record deliveries, so any of them may have reached a consumer before the restart (the
+    /// flag means "may have been delivered"; `false` still always means "never delivered").
+    pub fn mark_recovered(&mut self) {
+        for q in self.queues.values_mut() {
+            q.mark_all_redelivered();
+        }
+    }
+
+    /// Start recording durable changes (after recovery, when a store is attached).
+    pub fn enable_journal(&mut self) {
+        self.journal_enabled = true;
+    }
+
+    /// The durable changes made since the last call, in the order they were made.
+    pub fn take_journal(&mut self) -> Vec<Op> {
+        if !self.journal_enabled {
+            return Vec::new();
+        }
+        for id in &self.expiring {
+            if let Some(q) = self.queues.get_mut(id) {
+                if !q.dropped.is_empty() {
+                    self.journal.push(Op::Remove {
+                        vhost: q.vhost.clone(),
+                        queue: q.name.clone(),
+                        ids: std::mem::take(&mut q.dropped),
+                    });
+                }
+            }
+        }
+        std::mem::take(&mut self.journal)
+    }
+
+    /// Whether an op changes durable state (checked against the state before it is applied).
+    fn is_durable(&self, op: &Op) -> bool {
+        let queue_stored = |vhost: &str, name: &str| {
+            self.vhosts
+                .get(vhost)
+                .and_then(|v| v.queues.get(name))
+                .and_then(|id| self.queues.get(id))
+                .is_some_and(|q| q.is_stored())
+        };
+        let exchange_durable = |vhost: &str, name: &str| {
+            self.vhosts
+                .get(vhost)
+                .and_then(|v| v.exchanges.get(name))
+                .is_some_and(|x| x.durable && !name.is_empty())
+        };
+        match op {
+            Op::DeclareExchange { durable, .. } => *durable,
+            Op::DeleteExchange { vhost, name } => exchange_durable(vhost, name),
+            Op::DeclareQueue {
+                durable, exclusive, ..
+            } => *durable && !*exclusive,
+            Op::DeleteQueue { vhost, name } | Op::Purge { vhost, queue: name } => {
+                queue_stored(vhost, name)
+            }
+            Op::Bind {
+                vhost,
+                source,
+                destination,
+                ..
+            }
+            | Op::Unbind {
+                vhost,
+                source,
+                destination,
+                ..
+            } => {
+                exchange_durable(vhost, source)
+                    && match destination {
+                        BindingDest::Queue(q) => queue_stored(vhost, q),
+                        BindingDest::Exchange(x) => exchange_durable(vhost, x),
+                    }
+            }
+            Op::Enqueue { .. } | Op::Remove { .. } => true,
+        }
+    }
+
+    /// Record `op` for the store if it changes durable state. Call before applying it.
+    fn record(&mut self, op: &Op) {
+        if self.journal_enabled && self.is_durable(op) {
+            self.journal.push(op.clone());
+        }
+    }
+
+    /// Set the time (ms since the epoch) the following calls see.
+    pub fn set_clock(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+    }
+
+    /// Drop expired messages at the head of every queue that has some; returns how many went.
+    pub fn expire(&mut self) -> usize {
+        let now = self.now_ms;
+        let mut dropped = 0;
+        let mut done = Vec::new();
+        for id in &self.expiring {
+            match self.queues.get_mut(id) {
+                Some(q) => {
+                    dropped += q.drop_expired(now);
+                    if !q.has_expiring() {
+                        done.push(*id);
+                    }
+                }
+                None => done.push(*id),
+            }
+        }
+        for id in done {
+            self.expiring.remove(&id);
+        }
+        dropped
     }
 
     pub fn has_vhost(&self, name: &str) -> bool {
@@ -489,6 +591,12 @@ impl Broker {
     /// Apply one durable state change. Live commands call this after validating; recovery calls
     /// it for each stored op in order. It is deterministic: same ops, same state.
     pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        if !matches!(
+            op,
+            Op::Enqueue { .. } | Op::Remove { .. } | Op::DeleteQueue { .. } | Op::Purge { .. }
+        ) {
+            self.record(op);
+        }
         match op {
             Op::DeclareExchange {
                 vhost,
@@ -600,6 +708,7 @@ impl Broker {
                 vhost,
                 queues,
                 id,
+                timestamp_ms,
                 exchange,
                 routing_key,
                 properties,
@@ -613,12 +722,17 @@ impl Broker {
                             "bad stored properties",
                         )
                     })?;
+                let expiration = parsed
+                    .expiration()
+                    .as_ref()
+                    .and_then(|e| args::parse_expiration(e.as_str()).ok());
                 let msg = Arc::new(Message {
                     exchange: exchange.as_str().into(),
                     routing_key: routing_key.as_str().into(),
                     properties: parsed,
                     raw_properties: properties.clone(),
                     body: body.clone(),
+                    expiration,
                 });
                 let v = self.vhost(vhost)?;
                 let ids: Vec<QueueId> = queues
@@ -626,7 +740,7 @@ impl Broker {
                     .filter_map(|n| v.queues.get(n).copied())
                     .collect();
                 self.next_message_id = self.next_message_id.max(id + 1);
-                self.enqueue(&ids, *id, msg, fx);
+                self.enqueue(&ids, *id, *timestamp_ms, msg, fx);
             }
             Op::Remove { vhost, queue, ids } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
@@ -713,16 +827,13 @@ impl Broker {
                 x.auto_delete.to_string(),
             )?;
             check("internal", d.internal.to_string(), x.internal.to_string())?;
-            let (a, b) = (
+            if let Some(e) = args::inequivalent(
+                "alternate-exchange",
+                &what,
                 d.arguments.inner().get("alternate-exchange"),
                 x.arguments.inner().get("alternate-exchange"),
-            );
-            if !values_equivalent(a, b) {
-                return Err(AmqpError::precondition_failed(format!(
-                    "inequivalent arg 'alternate-exchange' for {what}: received {} but current is {}",
-                    show_value(a),
-                    show_value(b)
-                )));
+            ) {
+                return Err(e);
             }
             return Ok(());
         }
@@ -896,8 +1007,17 @@ impl Broker {
         Ok(())
     }
 
-    fn info(&self, id: QueueId) -> QueueInfo {
-        let q = &self.queues[&id];
+    /// Counts for declare-ok (expired heads are dropped first, so they are not counted).
+    fn info(&mut self, id: QueueId) -> QueueInfo {
+        let now = self.now_ms;
+        let Some(q) = self.queues.get_mut(&id) else {
+            return QueueInfo {
+                name: String::new(),
+                message_count: 0,
+                consumer_count: 0,
+            };
+        };
+        q.drop_expired(now);
         QueueInfo {
             name: q.name.clone(),
             message_count: q.message_count() as u32,
@@ -945,18 +1065,10 @@ impl Broker {
                     "cannot obtain exclusive access to locked {what}. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration."
                 )));
             }
-            for key in COMPARED_QUEUE_ARGS {
-                let (a, b) = (d.arguments.inner().get(*key), q.arguments.inner().get(*key));
-                if !values_equivalent(a, b) {
-                    return Err(AmqpError::precondition_failed(format!(
-                        "inequivalent arg '{key}' for {what}: received {} but current is {}",
-                        show_value(a),
-                        show_value(b)
-                    )));
-                }
-            }
+            args::check_equivalent(&what, &d.arguments, &q.arguments)?;
             return Ok(self.info(id));
         }
+        args::validate(&qname(vhost, &d.name), &d.arguments)?;
         let name = d.name.clone();
         self.apply(
             &Op::DeclareQueue {
@@ -1041,6 +1153,19 @@ impl Broker {
     ) -> Result<u32, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
         let count = self.queues[&id].message_count() as u32;
+        if self.journal_enabled {
+            let q = &self.queues[&id];
+            if q.is_stored() {
+                let ids: Vec<u64> = q.ready_persistent_ids().collect();
+                if !ids.is_empty() {
+                    self.journal.push(Op::Remove {
+                        vhost: vhost.to_string(),
+                        queue: queue.to_string(),
+                        ids,
+                    });
+                }
+            }
+        }
         self.apply(
             &Op::Purge {
                 vhost: vhost.to_string(),
@@ -1093,6 +1218,16 @@ impl Broker {
 
     /// Remove a queue: its bindings, its consumers (who are told), its messages.
     fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        let Some(q) = self.queues.get(&id) else {
+            return;
+        };
+        if q.is_stored() && self.journal_enabled {
+            self.journal.push(Op::DeleteQueue {
+                vhost: q.vhost.clone(),
+                name: q.name.clone(),
+            });
+        }
+        self.expiring.remove(&id);
         let Some(q) = self.queues.remove(&id) else {
             return;
         };
@@ -1144,7 +1279,27 @@ impl Broker {
         let targets = self.route(vhost, msg.exchange.as_str(), &msg)?;
         let id = self.next_message_id;
         self.next_message_id += 1;
-        self.enqueue(&targets, id, msg, fx);
+        if self.journal_enabled && msg.persistent() {
+            let stored: Vec<String> = targets
+                .iter()
+                .filter_map(|t| self.queues.get(t))
+                .filter(|q| q.is_stored())
+                .map(|q| q.name.clone())
+                .collect();
+            if !stored.is_empty() {
+                self.journal.push(Op::Enqueue {
+                    vhost: vhost.to_string(),
+                    queues: stored,
+                    id,
+                    timestamp_ms: self.now_ms,
+                    exchange: msg.exchange.as_str().to_string(),
+                    routing_key: msg.routing_key.as_str().to_string(),
+                    properties: msg.raw_properties.clone(),
+                    body: msg.body.clone(),
+                });
+            }
+        }
+        self.enqueue(&targets, id, self.now_ms, msg, fx);
         Ok(targets.len())
     }
 
@@ -1216,16 +1371,40 @@ impl Broker {
         Ok(queues)
     }
 
-    fn enqueue(&mut self, targets: &[QueueId], id: u64, msg: Arc<Message>, fx: &mut Vec<Effect>) {
+    /// Put a message (published at `at` ms) into queues and hand it to consumers.
+    fn enqueue(
+        &mut self,
+        targets: &[QueueId],
+        id: u64,
+        at: u64,
+        msg: Arc<Message>,
+        fx: &mut Vec<Effect>,
+    ) {
         for qid in targets {
-            if let Some(q) = self.queues.get_mut(qid) {
-                q.push(QueuedMessage {
-                    id,
-                    msg: msg.clone(),
-                    redelivered: false,
-                });
+            let Some(q) = self.queues.get_mut(qid) else {
+                continue;
+            };
+            let ttl = match (q.message_ttl, msg.expiration) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let expires_at = ttl.map(|t| at.saturating_add(t));
+            q.push(QueuedMessage {
+                id,
+                msg: msg.clone(),
+                redelivered: false,
+                expires_at,
+            });
+            if expires_at.is_some() {
+                self.expiring.insert(*qid);
             }
             self.dispatch(*qid, fx);
+            // A message whose TTL is 0 reaches a consumer that is ready now, or nobody.
+            if ttl == Some(0) {
+                if let Some(q) = self.queues.get_mut(qid) {
+                    q.drop_expired(at);
+                }
+            }
         }
     }
 
@@ -1365,11 +1544,24 @@ impl Broker {
 
     /// Hand ready messages of a queue to consumers with credit, round-robin.
     fn dispatch(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let Broker { queues, conns, .. } = self;
+        let now = self.now_ms;
+        let Broker {
+            queues,
+            conns,
+            journal,
+            journal_enabled,
+            ..
+        } = self;
         let Some(q) = queues.get_mut(&id) else {
             return;
         };
         while !q.is_empty() && !q.consumers.is_empty() {
+            // Expired messages never reach a consumer (strictly past their time, so a TTL-0
+            // message can still go to a consumer that is ready when it arrives).
+            q.drop_expired(now.saturating_sub(1));
+            if q.is_empty() {
+                break;
+            }
             let n = q.consumers.len();
             let mut chosen = None;
             for i in 0..n {
@@ -1429,7 +1621,12 @@ impl Broker {
             let consumer_tag = c.tag.clone();
             let redelivered = qm.redelivered;
             let msg = qm.msg.clone();
-            if !c.no_ack {
+            if c.no_ack {
+                // Delivered without ack: gone from the queue, so gone from the store.
+                if *journal_enabled && q.is_stored() && msg.persistent() {
+                    push_removal(journal, q, qm.id);
+                }
+            } else {
                 c.unacked += 1;
                 ch.consumer_unacked += 1;
                 q.unacked += 1;
@@ -1464,10 +1661,18 @@ impl Broker {
         no_ack: bool,
     ) -> Result<Option<GetResult>, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
-        let Broker { queues, conns, .. } = self;
+        let now = self.now_ms;
+        let Broker {
+            queues,
+            conns,
+            journal,
+            journal_enabled,
+            ..
+        } = self;
         let Some(q) = queues.get_mut(&id) else {
             return Ok(None);
         };
+        q.drop_expired(now);
         let state = conns
             .get_mut(&conn)
             .and_then(|c| c.channels.get_mut(&ch))
@@ -1483,7 +1688,11 @@ impl Broker {
             msg: qm.msg.clone(),
             message_count: q.message_count() as u32,
         };
-        if !no_ack {
+        if no_ack {
+            if *journal_enabled && q.is_stored() && qm.msg.persistent() {
+                push_removal(journal, q, qm.id);
+            }
+        } else {
             q.unacked += 1;
             state.unacked.insert(
                 tag,
@@ -1550,7 +1759,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let taken = self.take_unacked(conn, ch, tag, multiple)?;
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
-        for u in taken {
+        for u in &taken {
             if let Some(q) = self.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
             }
@@ -1558,8 +1767,39 @@ impl Broker {
                 touched.push(u.queue);
             }
         }
+        self.record_removals(taken.iter());
         self.dispatch_after_ack(conn, ch, touched, fx);
         Ok(())
+    }
+
+    /// Journal the removal of settled persistent messages from stored queues.
+    fn record_removals<'a>(&mut self, settled: impl Iterator<Item = &'a Unacked>) {
+        if !self.journal_enabled {
+            return;
+        }
+        for u in settled {
+            if !u.qm.msg.persistent() {
+                continue;
+            }
+            let Some(q) = self.queues.get(&u.queue) else {
+                continue;
+            };
+            if !q.is_stored() {
+                continue;
+            }
+            // Consecutive acks of one queue share one op.
+            if let Some(Op::Remove { vhost, queue, ids }) = self.journal.last_mut() {
+                if *vhost == q.vhost && *queue == q.name {
+                    ids.push(u.qm.id);
+                    continue;
+                }
+            }
+            self.journal.push(Op::Remove {
+                vhost: q.vhost.clone(),
+                queue: q.name.clone(),
+                ids: vec![u.qm.id],
+            });
+        }
     }
 
     /// Dispatch the queues whose messages were settled, and, when a channel-wide limit is in
@@ -1594,6 +1834,9 @@ impl Broker {
         fx: &mut Vec<Effect>,
     ) -> Result<(), AmqpError> {
         let taken = self.take_unacked(conn, ch, tag, multiple)?;
+        if !requeue {
+            self.record_removals(taken.iter());
+        }
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
         for u in taken.into_iter().rev() {
             if let Some(q) = self.queues.get_mut(&u.queue) {
@@ -1622,7 +1865,7 @@ impl Broker {
 
     // ---------------------------------------------------------------- introspection
 
-    pub fn queue_info(&self, vhost: &str, name: &str) -> Option<QueueInfo> {
+    pub fn queue_info(&mut self, vhost: &str, name: &str) -> Option<QueueInfo> {
         let id = self.queue_id(vhost, name).ok()?;
         Some(self.info(id))
     }

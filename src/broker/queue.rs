@@ -14,6 +14,9 @@ pub struct QueuedMessage {
     pub msg: Arc<Message>,
     /// Delivered at least once before.
     pub redelivered: bool,
+    /// When it expires (ms since the epoch), from the queue's x-message-ttl and the message's
+    /// expiration, whichever is sooner.
+    pub expires_at: Option<u64>,
 }
 
 /// Identifies a consumer: its connection, channel and tag.
@@ -34,6 +37,8 @@ pub struct Queue {
     /// The connection an exclusive queue belongs to.
     pub owner: Option<ConnId>,
     pub arguments: FieldTable,
+    /// x-message-ttl, in ms.
+    pub message_ttl: Option<u64>,
     ready: VecDeque<QueuedMessage>,
     ready_bytes: u64,
     /// Consumers in subscription order; `next` is where the round-robin resumes.
@@ -45,6 +50,8 @@ pub struct Queue {
     pub unacked: usize,
     /// Auto-delete queues go when their last consumer goes, but only after they had one.
     pub had_consumers: bool,
+    /// Ids of stored (persistent) messages that expired here and must be removed from the store.
+    pub dropped: Vec<u64>,
 }
 
 impl Queue {
@@ -63,6 +70,7 @@ impl Queue {
             exclusive,
             auto_delete,
             owner: None,
+            message_ttl: super::args::message_ttl(&arguments),
             arguments,
             ready: VecDeque::new(),
             ready_bytes: 0,
@@ -71,7 +79,13 @@ impl Queue {
             exclusive_consumer: None,
             unacked: 0,
             had_consumers: false,
+            dropped: Vec::new(),
         }
+    }
+
+    /// Whether this queue's persistent messages live in the store (durable, not exclusive).
+    pub fn is_stored(&self) -> bool {
+        self.durable && !self.exclusive
     }
 
     pub fn message_count(&self) -> usize {
@@ -109,6 +123,38 @@ impl Queue {
         self.ready.insert(pos, qm);
     }
 
+    /// Drop expired messages from the head (RabbitMQ expires at the head only: a message behind
+    /// one with a longer TTL waits). `now` is in ms; a message expiring at `now` is gone.
+    /// Returns how many went.
+    pub fn drop_expired(&mut self, now: u64) -> usize {
+        let mut n = 0;
+        while let Some(head) = self.ready.front() {
+            match head.expires_at {
+                Some(at) if at <= now => {
+                    if let Some(m) = self.pop() {
+                        if self.is_stored() && m.msg.persistent() {
+                            self.dropped.push(m.id);
+                        }
+                    }
+                    n += 1;
+                }
+                _ => break,
+            }
+        }
+        n
+    }
+
+    /// Whether any ready message carries an expiry (the broker's expiry tick visits this queue).
+    pub fn has_expiring(&self) -> bool {
+        self.ready.iter().any(|m| m.expires_at.is_some())
+    }
+
+    pub fn mark_all_redelivered(&mut self) {
+        for m in self.ready.iter_mut() {
+            m.redelivered = true;
+        }
+    }
+
     pub fn pop(&mut self) -> Option<QueuedMessage> {
         let qm = self.ready.pop_front()?;
         self.ready_bytes -= qm.msg.body.len() as u64;
@@ -123,8 +169,12 @@ impl Queue {
         n
     }
 
-    pub fn ready_ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.ready.iter().map(|m| m.id)
+    /// Ids of the ready persistent messages (those a store holds for a stored queue).
+    pub fn ready_persistent_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.ready
+            .iter()
+            .filter(|m| m.msg.persistent())
+            .map(|m| m.id)
     }
 
     pub fn remove_consumer(&mut self, key: &ConsumerKey) -> bool {

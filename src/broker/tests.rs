@@ -10,6 +10,7 @@ fn msg(exchange: &str, key: &str, body: &str) -> Arc<Message> {
         properties: AMQPProperties::default(),
         raw_properties: Bytes::from_static(&[0, 0]),
         body: Bytes::copy_from_slice(body.as_bytes()),
+        expiration: None,
     })
 }
 
@@ -326,6 +327,7 @@ fn ops_replay_to_the_same_state() {
             vhost: "/".into(),
             queues: vec!["q".into()],
             id: 7,
+            timestamp_ms: 0,
             exchange: "logs".into(),
             routing_key: "a.b".into(),
             properties: Bytes::from_static(&[0, 0]),
@@ -345,4 +347,44 @@ fn ops_replay_to_the_same_state() {
     assert_eq!(&first.msg.body[..], b"hello");
     let second = b.get(c, 1, "/", "q", true).unwrap().unwrap();
     assert_eq!(&second.msg.body[..], b"x");
+}
+
+#[test]
+fn ttl_expires_at_the_head_and_zero_ttl_needs_a_ready_consumer() {
+    let (mut b, c) = setup();
+    let mut fx = Vec::new();
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(1000));
+    b.set_clock(10_000);
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "ttl".into(),
+            arguments: args,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    b.publish("/", msg("", "ttl", "a"), &mut fx).unwrap();
+    b.set_clock(10_500);
+    b.publish("/", msg("", "ttl", "b"), &mut fx).unwrap();
+    assert_eq!(b.queue_info("/", "ttl").unwrap().message_count, 2);
+    b.set_clock(11_000);
+    assert_eq!(b.expire(), 1, "the head expired");
+    assert_eq!(b.queue_info("/", "ttl").unwrap().message_count, 1);
+    // Per-message expiration 0: dropped unless a consumer takes it at once.
+    declare(&mut b, c, "zero");
+    let zero = Arc::new(Message {
+        expiration: Some(0),
+        ..Arc::try_unwrap(msg("", "zero", "z")).unwrap()
+    });
+    b.publish("/", zero.clone(), &mut fx).unwrap();
+    assert_eq!(b.queue_info("/", "zero").unwrap().message_count, 0);
+    fx.clear();
+    b.consume(c, 1, "/", "zero", "t", true, false, &mut fx)
+        .unwrap();
+    b.publish("/", zero, &mut fx).unwrap();
+    assert_eq!(delivered(&fx).len(), 1);
 }

@@ -45,7 +45,8 @@ pub async fn serve(
             return;
         }
     }
-    if header != PROTOCOL_HEADER {
+    // RabbitMQ also takes the pre-0-9-1 header `AMQP 1 1 0 9` as 0-9-1; so do we.
+    if header != PROTOCOL_HEADER && header != *b"AMQP\x01\x01\x00\x09" {
         info!(header = ?header, "unsupported protocol header");
         let mut wr = wr;
         let _ = wr.write_all(&PROTOCOL_HEADER).await;
@@ -62,7 +63,8 @@ pub async fn serve(
         writer_done.clone(),
     ));
 
-    let mut session = Session::new(shared.clone(), outbox.clone(), peer);
+    let (commit_tx, mut commit_rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
     session.start();
     let mut frames = FramedRead::new(rd, FrameCodec::new(shared.config.frame_max));
     let mut last_recv = Instant::now();
@@ -91,7 +93,8 @@ pub async fn serve(
         };
         tokio::select! {
             biased;
-            _ = writer_done.cancelled() => break,
+                        _ = writer_done.cancelled() => break,
+            Some(done) = commit_rx.recv() => session.on_commit(done),
             changed = stop.changed(), if closing_deadline.is_none() => {
                 if changed.is_err() || *stop.borrow() {
                     session.force_close("broker forced connection closure with reason 'shutdown'");
@@ -208,7 +211,7 @@ fn refill(shared: &Shared, outbox: &Outbox) {
         return;
     }
     let mut fx = Vec::new();
-    let mut broker = shared.broker.lock();
+    let mut broker = shared.lock();
     // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
     if outbox.is_empty() {
         outbox.throttled.store(false, Ordering::Release);

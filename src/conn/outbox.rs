@@ -34,6 +34,16 @@ pub struct Outbox {
     pub(crate) heartbeat: AtomicU16,
     /// The broker's id for this connection once connection.open succeeded (0 before).
     pub(crate) conn_id: AtomicU64,
+    /// Replies of durable declarations wait here until their commit is fsynced (see `hold`).
+    held: Mutex<Hold>,
+}
+
+/// Bytes from `from` on stay unwritten until commit `ticket` is done.
+#[derive(Debug, Default)]
+struct Hold {
+    active: bool,
+    from: usize,
+    ticket: u64,
 }
 
 impl Outbox {
@@ -98,11 +108,53 @@ impl Outbox {
         self.with(|b| b.heartbeat());
     }
 
-    /// Take everything buffered (the writer swaps in its empty buffer).
+    /// Take everything buffered (the writer swaps in its empty buffer), up to a hold.
     pub(crate) fn take(&self, into: &mut OutBuffer) {
+        let mut held = self.held.lock();
         let mut buf = self.buf.lock();
-        std::mem::swap(&mut *buf, into);
-        self.len.store(0, Ordering::Release);
+        if held.active {
+            into.raw(&buf.as_slice()[..held.from]);
+            buf.consume(held.from);
+            held.from = 0;
+            self.len.store(buf.len(), Ordering::Release);
+        } else {
+            std::mem::swap(&mut *buf, into);
+            self.len.store(0, Ordering::Release);
+        }
+    }
+
+    /// Current buffered length (a position for `hold_from`).
+    pub(crate) fn position(&self) -> usize {
+        self.buf.lock().len()
+    }
+
+    /// Keep bytes from `position` on (and anything after) unwritten until commit `ticket` is
+    /// done: a durable declare-ok must not reach the client before the declaration is on disk.
+    pub(crate) fn hold_from(&self, position: usize, ticket: u64) {
+        let mut held = self.held.lock();
+        if held.active {
+            held.ticket = held.ticket.max(ticket);
+        } else {
+            *held = Hold {
+                active: true,
+                from: position,
+                ticket,
+            };
+        }
+    }
+
+    /// Commit `ticket` is durable: release a hold that waited for it (or an earlier one).
+    pub(crate) fn release(&self, ticket: u64) {
+        let mut held = self.held.lock();
+        if held.active && held.ticket <= ticket {
+            *held = Hold::default();
+            drop(held);
+            self.wake.notify_one();
+        }
+    }
+
+    pub(crate) fn is_held(&self) -> bool {
+        self.held.lock().active
     }
 
     /// Ask the writer to close the socket after flushing.

@@ -2,6 +2,7 @@
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
 use crate::broker::{Broker, ConnId, Effect};
+use crate::commit::Done;
 use crate::conn::outbox::Outbox;
 use crate::server::Shared;
 use amq_protocol::protocol::basic::AMQPProperties;
@@ -9,9 +10,11 @@ use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedSender;
 use tracing::debug;
 use warren_protocol::{AmqpError, ContentAssembler, Frame, FrameError, ReplyCode};
 
@@ -65,16 +68,39 @@ pub(crate) struct Chan {
     pub content: ContentAssembler,
     /// confirm.select was received.
     pub confirm: bool,
-    /// Sequence number of the last publish in confirm mode.
+    /// Sequence number of the last publish in confirm mode. Publishes up to here are confirmed
+    /// once none before them waits for the store; the basic.ack goes out at the end of what the
+    /// client sent in one go, `multiple` when it covers several.
     pub publish_seq: u64,
-    /// Publishes up to here are confirmed but the basic.ack is not sent yet (sent in one
-    /// `multiple` ack at the end of what the client sent in one go).
-    pub confirmed_upto: u64,
-    /// Last sequence number acked to the client.
+    /// Publishes whose message waits for its fsync, in order.
+    pub durable_pending: VecDeque<u64>,
+    /// Publishes the store could not take: nacked.
+    pub failed: BTreeSet<u64>,
+    /// Last sequence number confirmed (acked or nacked) to the client.
     pub acked_upto: u64,
+    /// Tells this channel apart from an earlier one with the same number (late commits).
+    pub generation: u64,
     pub tx: Option<Tx>,
     /// The last queue declared on this channel (an empty queue name in later methods means it).
     pub last_queue: Option<String>,
+}
+
+/// A confirm that waits for a commit.
+#[derive(Debug)]
+pub(crate) struct CommitWait {
+    pub ticket: u64,
+    pub channel: u16,
+    pub generation: u64,
+    pub seq: u64,
+}
+
+/// What a core call needs besides the broker: an effects buffer, where the committer reports
+/// back, and the ticket of the last call's durable changes.
+#[derive(Debug)]
+pub(crate) struct CoreCtx {
+    pub fx: Vec<Effect>,
+    pub notify: UnboundedSender<Done>,
+    pub last_ticket: Option<u64>,
 }
 
 pub struct Session {
@@ -92,25 +118,63 @@ pub struct Session {
     pub(crate) channels: HashMap<u16, Chan>,
     /// The client takes connection.close after a failed login (capability).
     pub(crate) auth_failure_close: bool,
-    /// Reused effects buffer.
-    pub(crate) fx: Vec<Effect>,
+    /// Effects buffer and commit reporting for core calls.
+    pub(crate) ctx: CoreCtx,
+    /// Confirms waiting for commits, in ticket order.
+    pub(crate) commit_waits: VecDeque<CommitWait>,
+    /// Numbers channel generations.
+    pub(crate) next_generation: u64,
 }
 
 /// Run `f` on the broker core with the lock held, then carry out its effects before releasing
 /// the lock (replies pushed by `f` therefore precede the deliveries it caused).
+///
+/// Durable changes go to the committer before the lock is released; their ticket is left in
+/// `ctx.last_ticket` (None when there were none).
 pub(crate) fn core<R>(
     shared: &Shared,
-    fx: &mut Vec<Effect>,
+    ctx: &mut CoreCtx,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let mut broker = shared.broker.lock();
-    let r = f(&mut broker, fx);
-    shared.apply_effects(fx);
+    let mut broker = shared.lock_notify(Some(ctx.notify.clone()));
+    broker.set_clock(now_ms());
+    let r = f(&mut broker, &mut ctx.fx);
+    shared.apply_effects(&mut ctx.fx);
+    ctx.last_ticket = broker.flush();
     r
 }
 
+/// Like [`core`], for methods whose reply must not reach the client before the change is on
+/// disk (durable declarations, bindings, deletions): the reply is held in the outbox until the
+/// commit is done.
+pub(crate) fn core_durable<R>(
+    shared: &Shared,
+    ctx: &mut CoreCtx,
+    outbox: &Outbox,
+    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
+) -> R {
+    let position = outbox.position();
+    let r = core(shared, ctx, f);
+    if let Some(ticket) = ctx.last_ticket {
+        outbox.hold_from(position, ticket);
+    }
+    r
+}
+
+/// Wall-clock milliseconds since the epoch (message TTLs count in these).
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 impl Session {
-    pub fn new(shared: Arc<Shared>, outbox: Arc<Outbox>, peer: SocketAddr) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        outbox: Arc<Outbox>,
+        peer: SocketAddr,
+        notify: UnboundedSender<Done>,
+    ) -> Self {
         let frame_max = shared.config.frame_max;
         let channel_max = shared.config.channel_max;
         Session {
@@ -126,7 +190,13 @@ impl Session {
             heartbeat: 0,
             channels: HashMap::new(),
             auth_failure_close: false,
-            fx: Vec::new(),
+            ctx: CoreCtx {
+                fx: Vec::new(),
+                notify,
+                last_ticket: None,
+            },
+            commit_waits: VecDeque::new(),
+            next_generation: 1,
         }
     }
 
@@ -242,9 +312,7 @@ impl Session {
                 AMQPClass::Confirm(m) => self.confirm_class(ch, m),
                 AMQPClass::Tx(m) => self.tx_class(ch, m),
                 AMQPClass::Access(m) => self.access_class(ch, m),
-                AMQPClass::Connection(_) => Err(AmqpError::command_invalid(
-                    "connection class method on a non-zero channel",
-                )),
+                AMQPClass::Connection(_) => Err(AmqpError::command_invalid("unimplemented method")),
             }
         })();
         result.map_err(|e| e.on(class_id, method_id))
@@ -318,7 +386,7 @@ impl Session {
         let conn = self.conn;
         self.conn = 0;
         self.outbox.conn_id.store(0, Ordering::Release);
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core(&self.shared, &mut self.ctx, |b, fx| {
             b.connection_close(conn, fx);
             // Remove the outbox while the broker lock is held: nothing can route to us after.
             self.shared.outboxes.write().remove(&conn);
@@ -329,7 +397,7 @@ impl Session {
     /// Drop a channel's broker-side state (consumers, unacked messages back to their queues).
     pub(crate) fn close_channel_state(&mut self, ch: u16) {
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core(&self.shared, &mut self.ctx, |b, fx| {
             b.channel_close(conn, ch, fx)
         });
         if let Some(chan) = self.channels.get_mut(&ch) {
@@ -338,22 +406,80 @@ impl Session {
         }
     }
 
-    /// Send the basic.ack for publishes confirmed since the last call, as one `multiple` ack.
+    /// Send confirms for publishes settled since the last call: runs of successes as one
+    /// `multiple` basic.ack, each failure as its own basic.nack. Never past a publish that still
+    /// waits for the store.
     pub fn flush_confirms(&mut self) {
         use amq_protocol::protocol::basic;
         for (ch, chan) in self.channels.iter_mut() {
-            if chan.confirm && !chan.closing && chan.confirmed_upto > chan.acked_upto {
-                let multiple = chan.confirmed_upto - chan.acked_upto > 1;
-                self.outbox.method(
-                    *ch,
-                    &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                        delivery_tag: chan.confirmed_upto,
-                        multiple,
-                    })),
-                );
-                chan.acked_upto = chan.confirmed_upto;
+            if !chan.confirm || chan.closing {
+                continue;
+            }
+            let upto = chan
+                .durable_pending
+                .front()
+                .map_or(chan.publish_seq, |first| first - 1);
+            while chan.acked_upto < upto {
+                let next_failed = chan
+                    .failed
+                    .range(chan.acked_upto + 1..=upto)
+                    .next()
+                    .copied();
+                match next_failed {
+                    Some(f) if f == chan.acked_upto + 1 => {
+                        chan.failed.remove(&f);
+                        self.outbox.method(
+                            *ch,
+                            &AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                                delivery_tag: f,
+                                multiple: false,
+                                requeue: false,
+                            })),
+                        );
+                        chan.acked_upto = f;
+                    }
+                    other => {
+                        let end = other.map_or(upto, |f| f - 1);
+                        self.outbox.method(
+                            *ch,
+                            &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                                delivery_tag: end,
+                                multiple: end - chan.acked_upto > 1,
+                            })),
+                        );
+                        chan.acked_upto = end;
+                    }
+                }
             }
         }
+    }
+
+    /// The committer finished `done.ticket` (and everything this connection submitted before).
+    pub fn on_commit(&mut self, done: Done) {
+        if !done.ok && self.outbox.is_held() {
+            // A declaration the client was about to be told is durable is not: drop the
+            // connection rather than send that reply.
+            self.outbox.close_after_flush();
+        } else {
+            self.outbox.release(done.ticket);
+        }
+        while let Some(w) = self.commit_waits.front() {
+            if w.ticket > done.ticket {
+                break;
+            }
+            let Some(w) = self.commit_waits.pop_front() else {
+                break;
+            };
+            if let Some(chan) = self.channels.get_mut(&w.channel) {
+                if chan.generation == w.generation {
+                    chan.durable_pending.retain(|s| *s != w.seq);
+                    if !done.ok {
+                        chan.failed.insert(w.seq);
+                    }
+                }
+            }
+        }
+        self.flush_confirms();
     }
 
     pub(crate) fn chan(&mut self, ch: u16) -> Result<&mut Chan, AmqpError> {

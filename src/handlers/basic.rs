@@ -13,7 +13,7 @@ impl Session {
         match m {
             M::Qos(q) => {
                 let conn = self.conn;
-                core(&self.shared, &mut self.fx, |b, fx| {
+                core(&self.shared, &mut self.ctx, |b, fx| {
                     b.qos(conn, ch, q.prefetch_count, q.global, fx);
                     self.outbox
                         .method(ch, &AMQPClass::Basic(M::QosOk(basic::QosOk {})));
@@ -23,7 +23,7 @@ impl Session {
             M::Consume(c) => self.basic_consume(ch, c),
             M::Cancel(c) => {
                 let conn = self.conn;
-                core(&self.shared, &mut self.fx, |b, fx| {
+                core(&self.shared, &mut self.ctx, |b, fx| {
                     b.cancel(conn, ch, c.consumer_tag.as_str(), fx);
                     if !c.nowait {
                         self.outbox.method(
@@ -84,7 +84,7 @@ impl Session {
     fn basic_consume(&mut self, ch: u16, c: basic::Consume) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, c.queue.as_str())?;
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core(&self.shared, &mut self.ctx, |b, fx| {
             // Deliveries the subscription causes land in `fx` and go out after consume-ok.
             let tag = b.consume(
                 conn,
@@ -111,7 +111,7 @@ impl Session {
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, _| {
+        core(&self.shared, &mut self.ctx, |b, _| {
             match b.get(conn, ch, &self.vhost, &queue, g.no_ack)? {
                 Some(r) => self.outbox.method_with_content(
                     ch,
@@ -142,7 +142,7 @@ impl Session {
 
     pub(crate) fn apply_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, fx| match ack {
+        core(&self.shared, &mut self.ctx, |b, fx| match ack {
             TxAck::Ack { tag, multiple } => b.ack(conn, ch, tag, multiple, fx),
             TxAck::Reject {
                 tag,
@@ -158,7 +158,7 @@ impl Session {
             return Err(AmqpError::not_implemented("requeue=false"));
         }
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core(&self.shared, &mut self.ctx, |b, fx| {
             b.recover(conn, ch, fx)?;
             if reply {
                 self.outbox
@@ -180,6 +180,18 @@ impl Session {
                 .on(60, 40));
             }
         }
+        let expiration = match content.properties.expiration() {
+            Some(e) => Some(crate::broker::args::parse_expiration(e.as_str()).map_err(
+                |reason| {
+                    AmqpError::precondition_failed(format!(
+                        "invalid expiration '{}': {reason}",
+                        e.as_str()
+                    ))
+                    .on(60, 40)
+                },
+            )?),
+            None => None,
+        };
         let mandatory = content.publish.mandatory;
         let msg = Arc::new(Message {
             exchange: content.publish.exchange,
@@ -187,12 +199,13 @@ impl Session {
             properties: content.properties,
             raw_properties: content.raw_properties,
             body: content.body,
+            expiration,
         });
         let in_tx = self.chan(ch)?.tx.is_some();
         if in_tx {
             // Errors about the exchange come now, as in RabbitMQ; routing happens at commit.
             let vhost = &self.vhost;
-            core(&self.shared, &mut self.fx, |b, _| {
+            core(&self.shared, &mut self.ctx, |b, _| {
                 b.route(vhost, msg.exchange.as_str(), &msg).map(|_| ())
             })
             .map_err(|e| e.on(60, 40))?;
@@ -202,10 +215,22 @@ impl Session {
             return Ok(());
         }
         self.route_message(ch, msg, mandatory)?;
+        let ticket = self.ctx.last_ticket.take();
         let chan = self.chan(ch)?;
         if chan.confirm {
             chan.publish_seq += 1;
-            chan.confirmed_upto = chan.publish_seq;
+            // A persistent message in a durable queue is confirmed after its fsync.
+            if let Some(ticket) = ticket {
+                let (seq, generation) = (chan.publish_seq, chan.generation);
+                chan.durable_pending.push_back(seq);
+                self.commit_waits
+                    .push_back(crate::conn::session::CommitWait {
+                        ticket,
+                        channel: ch,
+                        generation,
+                        seq,
+                    });
+            }
         }
         Ok(())
     }
@@ -217,7 +242,7 @@ impl Session {
         msg: Arc<Message>,
         mandatory: bool,
     ) -> Result<(), AmqpError> {
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core(&self.shared, &mut self.ctx, |b, fx| {
             let routed = b.publish(&self.vhost, msg.clone(), fx)?;
             if routed == 0 && mandatory {
                 self.outbox.method_with_content(

@@ -18,8 +18,16 @@ impl Session {
             .on_no_method());
         }
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, _| b.channel_open(conn, ch));
-        self.channels.insert(ch, Chan::default());
+        core(&self.shared, &mut self.ctx, |b, _| b.channel_open(conn, ch));
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.channels.insert(
+            ch,
+            Chan {
+                generation,
+                ..Chan::default()
+            },
+        );
         self.outbox
             .method(ch, &AMQPClass::Channel(M::OpenOk(channel::OpenOk {})));
         Ok(())
@@ -32,7 +40,7 @@ impl Session {
             M::Flow(f) if !f.active => Err(AmqpError::not_implemented("active=false")),
             M::Flow(f) => {
                 let conn = self.conn;
-                core(&self.shared, &mut self.fx, |b, fx| {
+                core(&self.shared, &mut self.ctx, |b, fx| {
                     b.flow(conn, ch, f.active, fx);
                     self.outbox.method(
                         ch,
@@ -51,9 +59,7 @@ impl Session {
                 Ok(())
             }
             // close-ok on a channel we are not closing.
-            M::CloseOk(_) => Err(AmqpError::command_invalid(
-                "unexpected command while processing 'channel.close-ok'",
-            )),
+            M::CloseOk(_) => Err(AmqpError::command_invalid("unimplemented method")),
             M::OpenOk(_) => Err(AmqpError::command_invalid(
                 "channel.open-ok is a server method",
             )),

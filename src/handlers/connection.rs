@@ -100,7 +100,7 @@ impl Session {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: server_properties(),
-                mechanisms: "PLAIN AMQPLAIN".into(),
+                mechanisms: "AMQPLAIN PLAIN".into(),
                 locales: "en_US".into(),
             })),
         );
@@ -143,11 +143,9 @@ impl Session {
         );
         let mechanism = m.mechanism.as_str();
         if mechanism != "PLAIN" && mechanism != "AMQPLAIN" {
-            return Err(AmqpError::connection(
-                ReplyCode::CommandInvalid,
-                format!("unknown authentication mechanism '{mechanism}'"),
-            )
-            .on(10, 11));
+            // RabbitMQ closes the socket without a close frame here.
+            info!(mechanism, "unknown authentication mechanism");
+            return Ok(Next::Close);
         }
         let refused = || {
             AmqpError::connection(
@@ -222,7 +220,7 @@ impl Session {
         let vhost = m.virtual_host.as_str().to_string();
         let outbox = self.outbox.clone();
         let shared = self.shared.clone();
-        let conn = core(&shared, &mut self.fx, |b, _| {
+        let conn = core(&shared, &mut self.ctx, |b, _| {
             if !b.has_vhost(&vhost) {
                 return None;
             }

@@ -1,7 +1,7 @@
 //! exchange class: declare, delete, bind, unbind.
 
 use crate::broker::ExchangeDeclare;
-use crate::conn::session::{core, Session};
+use crate::conn::session::{core_durable, Session};
 use amq_protocol::protocol::exchange::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -45,7 +45,7 @@ impl Session {
             internal: d.internal,
             arguments: d.arguments,
         };
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
             b.exchange_declare(&self.vhost, decl, fx)?;
             if !d.nowait {
                 self.outbox.method(
@@ -58,7 +58,7 @@ impl Session {
     }
 
     fn exchange_delete(&mut self, ch: u16, d: exchange::Delete) -> Result<(), AmqpError> {
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
             match b.exchange_delete(&self.vhost, d.exchange.as_str(), d.if_unused, fx) {
                 Ok(()) => {}
                 // RabbitMQ answers delete-ok for an exchange that does not exist.
@@ -84,7 +84,7 @@ impl Session {
         nowait: bool,
         bind: bool,
     ) -> Result<(), AmqpError> {
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
             b.exchange_bind(
                 &self.vhost,
                 destination,

@@ -1,7 +1,7 @@
 //! queue class: declare, bind, unbind, purge, delete.
 
 use crate::broker::QueueDeclare;
-use crate::conn::session::{core, Session};
+use crate::conn::session::{core_durable, Session};
 use amq_protocol::protocol::queue::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -43,7 +43,7 @@ impl Session {
             M::Purge(p) => {
                 let queue = self.resolve_queue(ch, p.queue.as_str())?;
                 let conn = self.conn;
-                core(&self.shared, &mut self.fx, |b, fx| {
+                core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
                     let count = b.queue_purge(conn, &self.vhost, &queue, fx)?;
                     if !p.nowait {
                         self.outbox.method(
@@ -59,7 +59,7 @@ impl Session {
             M::Delete(d) => {
                 let queue = self.resolve_queue(ch, d.queue.as_str())?;
                 let conn = self.conn;
-                core(&self.shared, &mut self.fx, |b, fx| {
+                core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
                     let count =
                         b.queue_delete(conn, &self.vhost, &queue, d.if_unused, d.if_empty, fx)?;
                     if !d.nowait {
@@ -96,7 +96,7 @@ impl Session {
             arguments: d.arguments,
         };
         let conn = self.conn;
-        let info = core(&self.shared, &mut self.fx, |b, fx| {
+        let info = core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
             let info = b.queue_declare(conn, &self.vhost, decl, fx)?;
             if !d.nowait {
                 self.outbox.method(
@@ -126,7 +126,7 @@ impl Session {
         bind: bool,
     ) -> Result<(), AmqpError> {
         let conn = self.conn;
-        core(&self.shared, &mut self.fx, |b, fx| {
+        core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
             b.queue_bind(
                 conn,
                 &self.vhost,

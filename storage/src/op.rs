@@ -6,7 +6,7 @@
 use bytes::Bytes;
 
 /// What a binding points at.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BindingDest {
     Queue(String),
     Exchange(String),
@@ -61,6 +61,8 @@ pub enum Op {
         vhost: String,
         queues: Vec<String>,
         id: u64,
+        /// When it was published (ms since the epoch): TTLs count from here, also on replay.
+        timestamp_ms: u64,
         exchange: String,
         routing_key: String,
         properties: Bytes,
@@ -93,5 +95,53 @@ impl Op {
             | Op::Remove { vhost, .. }
             | Op::Purge { vhost, .. } => vhost,
         }
+    }
+}
+
+// Ops rebuilt from stored records (recovery).
+
+pub(crate) fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::ExchangeRecord) -> Op {
+    Op::DeclareExchange {
+        vhost: vhost.to_string(),
+        name: name.to_string(),
+        kind: x.kind.clone(),
+        durable: x.durable,
+        auto_delete: x.auto_delete,
+        internal: x.internal,
+        arguments: x.arguments.clone(),
+    }
+}
+
+pub(crate) fn declare_queue(vhost: &str, name: &str, q: &crate::codec::QueueRecord) -> Op {
+    Op::DeclareQueue {
+        vhost: vhost.to_string(),
+        name: name.to_string(),
+        durable: q.durable,
+        exclusive: q.exclusive,
+        auto_delete: q.auto_delete,
+        arguments: q.arguments.clone(),
+    }
+}
+
+pub(crate) fn bind(b: &crate::codec::BindingKey) -> Op {
+    Op::Bind {
+        vhost: b.vhost.clone(),
+        source: b.source.clone(),
+        destination: b.destination.clone(),
+        routing_key: b.routing_key.clone(),
+        arguments: b.arguments.clone(),
+    }
+}
+
+pub(crate) fn enqueue(vhost: &str, queue: &str, id: u64, m: &crate::codec::MessageRecord) -> Op {
+    Op::Enqueue {
+        vhost: vhost.to_string(),
+        queues: vec![queue.to_string()],
+        id,
+        timestamp_ms: m.timestamp_ms,
+        exchange: m.exchange.clone(),
+        routing_key: m.routing_key.clone(),
+        properties: m.properties.clone(),
+        body: m.body.clone(),
     }
 }

@@ -34,13 +34,18 @@ impl TestServer {
         Self::start_with(Config::default()).await
     }
 
-    pub async fn start_with(mut config: Config) -> Self {
+    pub async fn start_with(config: Config) -> Self {
         let data_dir = tempfile::tempdir().expect("temp dir");
+        Self::start_in(config, data_dir).await
+    }
+
+    /// Start on an existing data folder (what a restart does).
+    async fn start_in(mut config: Config, data_dir: tempfile::TempDir) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         config.amqp_listen = addr;
         config.data_dir = data_dir.path().to_path_buf();
-        let shared = Shared::new(config);
+        let shared = Shared::open(config).expect("open the data folder");
         let (tx, rx) = oneshot::channel::<()>();
         let task = tokio::spawn(warren::serve(listener, shared.clone(), async {
             let _ = rx.await;
@@ -52,6 +57,18 @@ impl TestServer {
             stop: Some(tx),
             task: Some(task),
         }
+    }
+
+    /// Stop gracefully and start again on the same data folder (new port).
+    pub async fn restart(mut self) -> Self {
+        self.stop().await;
+        let config = self.shared.config.clone();
+        let TestServer {
+            data_dir, shared, ..
+        } = self;
+        // The store closes when the last handle on the shared state goes.
+        wait_for_last_handle(shared).await;
+        Self::start_in(config, data_dir).await
     }
 
     pub fn url(&self) -> String {
@@ -79,6 +96,27 @@ impl TestServer {
         }
         if let Some(task) = self.task.take() {
             let _ = tokio::time::timeout(Duration::from_secs(10), task).await;
+        }
+    }
+}
+
+async fn wait_for_last_handle(shared: Arc<Shared>) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut shared = shared;
+    loop {
+        match Arc::try_unwrap(shared) {
+            Ok(inner) => {
+                drop(inner);
+                return;
+            }
+            Err(back) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "server state still in use"
+                );
+                shared = back;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
         }
     }
 }

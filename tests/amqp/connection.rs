@@ -56,7 +56,7 @@ async fn wrong_protocol_header_gets_ours_back_and_the_socket_closed() {
     let server = TestServer::start().await;
     for header in [
         &b"AMQP\x00\x00\x09\x00"[..],
-        b"AMQP\x01\x01\x00\x09",
+        b"AMQP\x00\x00\x08\x00",
         b"GET / HT",
     ] {
         let mut raw = Raw::tcp(server.addr).await;

@@ -8,6 +8,8 @@ mod basic;
 mod channel;
 mod confirm_tx;
 mod connection;
+mod crash;
+mod durability;
 mod errors;
 mod exchange;
 mod queue;

@@ -1,0 +1,156 @@
+//! The committer: the only caller of the store. One thread takes every pending request,
+//! writes them as one batch (one fsync when any needs it), then tells each requester.
+//!
+//! Group commit is what makes durable confirms cheap: while one fsync runs, requests from every
+//! connection queue up and share the next one. `Stats` counts writes and ops so a benchmark can
+//! show ops per fsync rising with concurrency.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::error;
+use warren_storage::{Op, Store};
+
+/// A finished commit: the ticket it was submitted under, and whether it reached the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Done {
+    pub ticket: u64,
+    pub ok: bool,
+}
+
+struct Request {
+    ops: Vec<Op>,
+    sync: bool,
+    ticket: u64,
+    notify: Option<UnboundedSender<Done>>,
+}
+
+/// Counters, readable from anywhere.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Store writes (each one RocksDB write batch).
+    pub writes: AtomicU64,
+    /// Writes that were fsynced.
+    pub syncs: AtomicU64,
+    /// Ops written.
+    pub ops: AtomicU64,
+    /// Enqueue ops written (persistent messages).
+    pub messages: AtomicU64,
+    /// Failed writes (each failed request is reported to its requester).
+    pub failures: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct Committer {
+    /// None once dropping (closing the channel ends the thread).
+    tx: Option<mpsc::Sender<Request>>,
+    next_ticket: AtomicU64,
+    pub stats: Arc<Stats>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Committer {
+    /// Finish what was submitted and close the store before returning (a restart in the same
+    /// process must find the data folder unlocked).
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Whether an op must be on disk before its effect is confirmed (acks need not be: losing one
+/// in a crash means a redelivery, which at-least-once allows).
+fn needs_sync(op: &Op) -> bool {
+    !matches!(op, Op::Remove { .. })
+}
+
+impl Committer {
+    pub fn start(store: Arc<dyn Store>) -> Self {
+        let (tx, rx) = mpsc::channel::<Request>();
+        let stats = Arc::new(Stats::default());
+        let thread_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("warren-committer".into())
+            .spawn(move || run(store, rx, thread_stats))
+            .expect("spawning the committer thread");
+        Committer {
+            tx: Some(tx),
+            next_ticket: AtomicU64::new(1),
+            stats,
+            thread: Some(thread),
+        }
+    }
+
+    /// Queue ops for the store; `notify` hears the outcome under the returned ticket. Requests
+    /// are written in submission order.
+    pub fn submit(&self, ops: Vec<Op>, notify: Option<UnboundedSender<Done>>) -> u64 {
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let sync = ops.iter().any(needs_sync);
+        let Some(tx) = &self.tx else {
+            return ticket;
+        };
+        if tx
+            .send(Request {
+                ops,
+                sync,
+                ticket,
+                notify,
+            })
+            .is_err()
+        {
+            error!("the committer thread is gone");
+        }
+        ticket
+    }
+}
+
+fn run(store: Arc<dyn Store>, rx: mpsc::Receiver<Request>, stats: Arc<Stats>) {
+    let mut batch: Vec<Request> = Vec::new();
+    let mut ops: Vec<Op> = Vec::new();
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        // Everything that arrived meanwhile shares this write (bounded, so one write stays
+        // a reasonable size).
+        while batch.len() < 4096 {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let sync = batch.iter().any(|r| r.sync);
+        for r in batch.iter_mut() {
+            ops.append(&mut r.ops);
+        }
+        let messages = ops
+            .iter()
+            .filter(|o| matches!(o, Op::Enqueue { .. }))
+            .count() as u64;
+        let result = store.write(&ops, sync);
+        stats.writes.fetch_add(1, Ordering::Relaxed);
+        stats.ops.fetch_add(ops.len() as u64, Ordering::Relaxed);
+        stats.messages.fetch_add(messages, Ordering::Relaxed);
+        if sync {
+            stats.syncs.fetch_add(1, Ordering::Relaxed);
+        }
+        let ok = match result {
+            Ok(()) => true,
+            Err(e) => {
+                stats.failures.fetch_add(1, Ordering::Relaxed);
+                error!(error = %e, ops = ops.len(), "store write failed");
+                false
+            }
+        };
+        ops.clear();
+        for r in batch.drain(..) {
+            if let Some(n) = r.notify {
+                let _ = n.send(Done {
+                    ticket: r.ticket,
+                    ok,
+                });
+            }
+        }
+    }
+}

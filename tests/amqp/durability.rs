@@ -1,0 +1,334 @@
+//! Issue 3: what survives a restart, and the confirm contract.
+
+use crate::common::*;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, ExchangeKind};
+
+fn durable_q() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn persistent() -> BasicProperties {
+    BasicProperties::default().with_delivery_mode(2)
+}
+
+async fn exists_queue(ch: &lapin::Channel, name: &str) -> Option<u32> {
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .ok()
+    .map(|q| q.message_count())
+}
+
+#[tokio::test]
+async fn durable_definitions_survive_a_restart_and_transient_ones_do_not() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-max-length".into(), AMQPValue::LongInt(1000));
+        ch.queue_declare("dq".into(), durable_q(), args)
+            .await
+            .unwrap();
+        ch.queue_declare("tq".into(), Default::default(), FieldTable::default())
+            .await
+            .unwrap();
+        ch.queue_declare(
+            "xq".into(),
+            QueueDeclareOptions {
+                durable: true,
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.exchange_declare(
+            "dx".into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.exchange_declare(
+            "tx".into(),
+            ExchangeKind::Fanout,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            "dq".into(),
+            "dx".into(),
+            "a.*".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.queue_bind(
+            "tq".into(),
+            "dx".into(),
+            "a.*".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(exists_queue(&ch, "dq").await, Some(0));
+    // Same arguments are still equivalent; different ones are not.
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1000));
+    ch.queue_declare("dq".into(), durable_q(), args)
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(exists_queue(&ch, "tq").await, None);
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(exists_queue(&ch, "xq").await, None);
+    let ch = conn.create_channel().await.unwrap();
+    ch.exchange_declare(
+        "dx".into(),
+        ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let err = ch
+        .exchange_declare(
+            "tx".into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&err), Some(404));
+    // The binding survived: routing through dx reaches dq.
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.basic_publish(
+        "dx".into(),
+        "a.b".into(),
+        Default::default(),
+        b"routed",
+        persistent(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    assert_eq!(exists_queue(&ch, "dq").await, Some(1));
+}
+
+#[tokio::test]
+async fn persistent_messages_survive_in_order_with_their_properties() {
+    let server = TestServer::start().await;
+    let mut headers = FieldTable::default();
+    headers.insert("h".into(), AMQPValue::LongString("v".into()));
+    let props = persistent()
+        .with_content_type("text/plain".into())
+        .with_headers(headers)
+        .with_message_id("m".into());
+    {
+        let conn = server.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        ch.queue_declare("dq".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        ch.queue_declare("tq".into(), Default::default(), FieldTable::default())
+            .await
+            .unwrap();
+        for i in 0..20u32 {
+            let p = if i % 2 == 0 {
+                props.clone()
+            } else {
+                BasicProperties::default().with_delivery_mode(1)
+            };
+            ch.basic_publish(
+                "".into(),
+                "dq".into(),
+                Default::default(),
+                format!("{i}").as_bytes(),
+                p,
+            )
+            .await
+            .unwrap();
+            ch.basic_publish(
+                "".into(),
+                "tq".into(),
+                Default::default(),
+                b"x",
+                persistent(),
+            )
+            .await
+            .unwrap();
+        }
+        ch.wait_for_confirms().await.unwrap();
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut got = Vec::new();
+    while let Some(m) = ch
+        .basic_get("dq".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        assert_eq!(m.delivery.properties, props);
+        got.push(String::from_utf8(m.delivery.data.clone()).unwrap());
+    }
+    let expected: Vec<String> = (0..20).step_by(2).map(|i: u32| i.to_string()).collect();
+    assert_eq!(
+        got, expected,
+        "persistent ones, in order; transient ones are gone"
+    );
+}
+
+#[tokio::test]
+async fn unacked_messages_come_back_redelivered_and_acked_ones_never() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        ch.queue_declare("dq".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        for i in 0..4u32 {
+            ch.basic_publish(
+                "".into(),
+                "dq".into(),
+                Default::default(),
+                format!("{i}").as_bytes(),
+                persistent(),
+            )
+            .await
+            .unwrap();
+        }
+        ch.wait_for_confirms().await.unwrap();
+        let a = ch
+            .basic_get("dq".into(), Default::default())
+            .await
+            .unwrap()
+            .unwrap();
+        let b = ch
+            .basic_get("dq".into(), Default::default())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (a.delivery.data.as_slice(), b.delivery.data.as_slice()),
+            (&b"0"[..], &b"1"[..])
+        );
+        ch.basic_ack(a.delivery.delivery_tag, Default::default())
+            .await
+            .unwrap();
+        // "1" stays unacked; the client goes away.
+        let nack_ch = conn.create_channel().await.unwrap();
+        nack_ch
+            .queue_declare("dq".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut got = Vec::new();
+    while let Some(m) = ch
+        .basic_get("dq".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        got.push((
+            String::from_utf8(m.delivery.data.clone()).unwrap(),
+            m.delivery.redelivered,
+        ));
+    }
+    assert_eq!(got.first(), Some(&("1".to_string(), true)));
+    assert_eq!(
+        got.iter().map(|g| g.0.as_str()).collect::<Vec<_>>(),
+        vec!["1", "2", "3"]
+    );
+}
+
+#[tokio::test]
+async fn durable_publishes_are_confirmed_after_the_store_write() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(Default::default()).await.unwrap();
+    ch.queue_declare("dq".into(), durable_q(), FieldTable::default())
+        .await
+        .unwrap();
+    let stats = server.shared.committer.as_ref().unwrap().stats.clone();
+    let before = stats.messages.load(std::sync::atomic::Ordering::Relaxed);
+    let mut confirms = Vec::new();
+    for _ in 0..100 {
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                "dq".into(),
+                Default::default(),
+                b"m",
+                persistent(),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for c in confirms {
+        assert!(c.await.unwrap().is_ack());
+    }
+    // Every confirmed message went through the committer (and was fsynced with its batch).
+    let after = stats.messages.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(after - before, 100);
+    let syncs = stats.syncs.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(syncs >= 1);
+}
+
+#[tokio::test]
+async fn a_data_folder_in_use_is_refused() {
+    let server = TestServer::start().await;
+    let mut config = server.shared.config.clone();
+    config.data_dir = server.data_dir.path().to_path_buf();
+    let err = warren::Shared::open(config).unwrap_err();
+    let text = format!("{err:#}");
+    assert!(text.contains("in use by another process"), "{text}");
+    assert!(
+        text.contains(&server.data_dir.path().display().to_string()),
+        "{text}"
+    );
+}
