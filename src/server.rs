@@ -213,7 +213,9 @@ pub async fn serve(
                 tick.tick().await;
                 let mut broker = shared.lock();
                 broker.set_clock(crate::conn::session::now_ms());
-                broker.expire();
+                let mut fx = Vec::new();
+                broker.expire(&mut fx);
+                shared.apply_effects(&mut fx);
             }
         }
     });

@@ -98,38 +98,132 @@ pub fn check_equivalent(
     received: &FieldTable,
     current: &FieldTable,
 ) -> Result<(), AmqpError> {
+    // An absent x-queue-type means classic.
+    let classic = AMQPValue::LongString("classic".into());
     for key in COMPARED {
-        if let Some(e) = inequivalent(
-            key,
-            what,
-            received.inner().get(*key),
-            current.inner().get(*key),
-        ) {
+        let (mut r, mut c) = (received.inner().get(*key), current.inner().get(*key));
+        // An absent type equals an explicit "classic" (and nothing else).
+        if *key == "x-queue-type" {
+            let is_classic =
+                |v: Option<&AMQPValue>| v.and_then(string_value).as_deref() == Some("classic");
+            if (r.is_none() && is_classic(c)) || (c.is_none() && is_classic(r)) {
+                r = Some(&classic);
+                c = Some(&classic);
+            }
+        }
+        if let Some(e) = inequivalent(key, what, r, c) {
             return Err(e);
         }
     }
     Ok(())
 }
 
-/// Validate the arguments of a new queue (`what` names it: "queue 'q' in vhost '/'").
-pub fn validate(what: &str, args: &FieldTable) -> Result<(), AmqpError> {
+/// The largest TTL or expiry RabbitMQ accepts: ten years, in ms.
+pub const MAX_TTL_MS: i128 = 315_360_000_000;
+
+/// The queue type named by `x-queue-type` (classic when absent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueType {
+    Classic,
+    Quorum,
+}
+
+/// Validate the arguments and flags of a new queue (`what` names it: "queue 'q' in vhost '/'"),
+/// with RabbitMQ's reply texts; returns its type.
+pub fn validate(
+    what: &str,
+    args: &FieldTable,
+    durable: bool,
+    exclusive: bool,
+    auto_delete: bool,
+) -> Result<QueueType, AmqpError> {
     let invalid = |key: &str, reason: String| {
         AmqpError::precondition_failed(format!("invalid arg '{key}' for {what}: {reason}"))
     };
+    let get = |k: &str| args.inner().get(k);
+    let qtype = match get("x-queue-type") {
+        None => QueueType::Classic,
+        Some(v) => match string_value(v) {
+            Some(t) if t == "classic" => QueueType::Classic,
+            Some(t) if t == "quorum" => QueueType::Quorum,
+            Some(t) if t == "stream" => {
+                return Err(invalid(
+                    "x-queue-type",
+                    "\"stream queues are not supported by Warren yet\"".into(),
+                ));
+            }
+            Some(t) => {
+                return Err(invalid(
+                    "x-queue-type",
+                    format!("\"unsupported queue type '{t}'\""),
+                ));
+            }
+            None => {
+                return Err(invalid(
+                    "x-queue-type",
+                    format!("{{unacceptable_type,{}}}", type_name(v)),
+                ));
+            }
+        },
+    };
+    if qtype == QueueType::Quorum {
+        let bad = if auto_delete {
+            Some("auto-delete")
+        } else if exclusive {
+            Some("exclusive-owner")
+        } else if !durable {
+            Some("non-durable")
+        } else {
+            None
+        };
+        if let Some(p) = bad {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid property '{p}' for {what}"
+            )));
+        }
+    }
+    let refused: &[&str] = match qtype {
+        QueueType::Classic => &[
+            "x-delivery-limit",
+            "x-dead-letter-strategy",
+            "x-max-in-memory-length",
+            "x-max-in-memory-bytes",
+            "x-quorum-initial-group-size",
+            "x-max-age",
+            "x-stream-max-segment-size-bytes",
+        ],
+        QueueType::Quorum => &[
+            "x-max-priority",
+            "x-queue-mode",
+            "x-queue-version",
+            "x-max-age",
+            "x-stream-max-segment-size-bytes",
+        ],
+    };
+    let type_tag = match qtype {
+        QueueType::Classic => "rabbit_classic_queue",
+        QueueType::Quorum => "rabbit_quorum_queue",
+    };
     for (key, value) in args.inner() {
         let key = key.as_str();
-        let int_rule = match key {
-            "x-message-ttl"
-            | "x-max-length"
+        if refused.contains(&key) {
+            return Err(AmqpError::precondition_failed(format!(
+                "invalid arg '{key}' for {what} of queue type {type_tag}"
+            )));
+        }
+        // (minimum, maximum, what exceeding the maximum is called)
+        let int_rule: Option<(i128, i128, &str)> = match key {
+            "x-message-ttl" => Some((0, MAX_TTL_MS, "value_too_large")),
+            "x-expires" => Some((1, MAX_TTL_MS, "value_too_large")),
+            "x-max-length"
             | "x-max-length-bytes"
             | "x-delivery-limit"
             | "x-max-in-memory-length"
-            | "x-max-in-memory-bytes" => Some(false),
-            "x-expires" => Some(true),
-            "x-max-priority" => Some(false),
+            | "x-max-in-memory-bytes" => Some((0, i128::MAX, "value_too_large")),
+            "x-max-priority" => Some((0, 255, "max_value_exceeded")),
             _ => None,
         };
-        if let Some(positive) = int_rule {
+        if let Some((min, max, too_large)) = int_rule {
             let Some(n) = int_value(value) else {
                 return Err(invalid(
                     key,
@@ -139,24 +233,31 @@ pub fn validate(what: &str, args: &FieldTable) -> Result<(), AmqpError> {
             if n < 0 {
                 return Err(invalid(key, format!("{{value_negative,{n}}}")));
             }
-            if positive && n == 0 {
+            if n < min {
                 return Err(invalid(key, format!("{{value_zero,{n}}}")));
             }
-            if key == "x-max-priority" && n > 255 {
-                return Err(invalid(key, format!("{{value_too_large,{n},255}}")));
+            if n > max {
+                return Err(invalid(key, format!("{{{too_large},{n}}}")));
             }
             continue;
         }
-        let allowed: Option<&[&str]> = match key {
-            "x-overflow" => Some(&["drop-head", "reject-publish", "reject-publish-dlx"]),
-            "x-queue-mode" => Some(&["default", "lazy"]),
-            _ => None,
-        };
-        if let Some(allowed) = allowed {
-            match string_value(value) {
-                Some(s) if allowed.contains(&s.as_str()) => {}
+        match key {
+            "x-overflow" => match string_value(value) {
+                Some(s)
+                    if ["drop-head", "reject-publish", "reject-publish-dlx"]
+                        .contains(&s.as_str()) => {}
+                Some(_) => return Err(invalid(key, "invalid_overflow".into())),
+                None => {
+                    return Err(invalid(
+                        key,
+                        format!("{{unacceptable_type,{}}}", type_name(value)),
+                    ));
+                }
+            },
+            "x-queue-mode" => match string_value(value) {
+                Some(s) if s == "default" || s == "lazy" => {}
                 Some(s) => {
-                    return Err(invalid(key, format!("{{unacceptable_value,<<\"{s}\">>}}")));
+                    return Err(invalid(key, format!("\"unsupported queue mode '{s}'\"")));
                 }
                 None => {
                     return Err(invalid(
@@ -164,24 +265,64 @@ pub fn validate(what: &str, args: &FieldTable) -> Result<(), AmqpError> {
                         format!("{{unacceptable_type,{}}}", type_name(value)),
                     ));
                 }
+            },
+            "x-queue-version" => match int_value(value) {
+                Some(1) | Some(2) => {}
+                Some(n) => {
+                    return Err(invalid(key, format!("\"unsupported queue version '{n}'\"")));
+                }
+                None => {
+                    return Err(invalid(
+                        key,
+                        format!("\"expected integer, got {}\"", type_name(value)),
+                    ));
+                }
+            },
+            "x-dead-letter-exchange" if string_value(value).is_none() => {
+                return Err(AmqpError::precondition_failed(format!(
+                    "invalid type '{}' for arg '{key}' in {what}",
+                    type_name(value)
+                )));
             }
-        }
-        if matches!(key, "x-dead-letter-exchange" | "x-dead-letter-routing-key")
-            && string_value(value).is_none()
-        {
-            return Err(invalid(
-                key,
-                format!("{{unacceptable_type,{}}}", type_name(value)),
-            ));
-        }
-        if key == "x-single-active-consumer" && !matches!(value, AMQPValue::Boolean(_)) {
-            return Err(invalid(
-                key,
-                format!("{{unacceptable_type,{}}}", type_name(value)),
-            ));
+            "x-dead-letter-routing-key" => {
+                if string_value(value).is_none() {
+                    return Err(invalid(
+                        key,
+                        format!("{{unacceptable_type,{}}}", type_name(value)),
+                    ));
+                }
+                if get("x-dead-letter-exchange").is_none() {
+                    return Err(invalid(key, "routing_key_but_no_dlx_defined".into()));
+                }
+            }
+            "x-single-active-consumer" if !matches!(value, AMQPValue::Boolean(_)) => {
+                return Err(invalid(
+                    key,
+                    format!("{{unacceptable_type,{}}}", type_name(value)),
+                ));
+            }
+            _ => {}
         }
     }
-    Ok(())
+    Ok(qtype)
+}
+
+/// An integer argument, if set (and not negative).
+pub fn uint(args: &FieldTable, key: &str) -> Option<u64> {
+    args.inner()
+        .get(key)
+        .and_then(int_value)
+        .and_then(|n| u64::try_from(n).ok())
+}
+
+/// A string argument, if set.
+pub fn string(args: &FieldTable, key: &str) -> Option<String> {
+    args.inner().get(key).and_then(string_value)
+}
+
+/// A boolean argument (false when absent).
+pub fn flag(args: &FieldTable, key: &str) -> bool {
+    matches!(args.inner().get(key), Some(AMQPValue::Boolean(true)))
 }
 
 /// The x-message-ttl of a queue, in milliseconds.
@@ -216,9 +357,7 @@ pub fn parse_expiration(s: &str) -> Result<u64, String> {
     if n < 0 {
         return Err(format!("{{value_negative,{n}}}"));
     }
-    // RabbitMQ refuses expirations past its timer limit; 2^32 ms is accepted, 10^14 is not.
-    const MAX: i128 = 4_294_967_295_000;
-    if n > MAX {
+    if n > MAX_TTL_MS {
         return Err(format!("{{value_too_large,{n}}}"));
     }
     Ok(n as u64)

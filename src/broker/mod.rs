@@ -10,6 +10,7 @@
 //! recovery (and, later, cluster followers) replay ops through the same function.
 
 pub mod args;
+pub mod deadletter;
 pub mod exchange;
 pub mod headers;
 pub mod queue;
@@ -19,7 +20,7 @@ use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use bytes::Bytes;
 use exchange::{Dest, Exchange, ExchangeKind};
-use queue::{ConsumerKey, Queue, QueuedMessage};
+use queue::{ConsumerKey, DropReason, Overflow, Queue, QueueConsumer, QueuedMessage};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use warren_protocol::AmqpError;
@@ -101,6 +102,9 @@ struct ChannelState {
     consumer_unacked: u32,
     /// channel.flow: false pauses deliveries.
     flow: bool,
+    /// Direct reply-to: the no-ack consumer of `amq.rabbitmq.reply-to` on this channel (its tag)
+    /// and the address replies to it use.
+    reply_consumer: Option<(Arc<str>, String)>,
 }
 
 impl ChannelState {
@@ -113,6 +117,7 @@ impl ChannelState {
             prefetch_channel: 0,
             consumer_unacked: 0,
             flow: true,
+            reply_consumer: None,
         }
     }
 }
@@ -192,6 +197,24 @@ pub struct Broker {
     journal_enabled: bool,
     /// Durable changes not yet handed to the store (see `take_journal`).
     journal: Vec<Op>,
+    /// Queues whose `dropped` list needs settling (dead-lettering, store removal).
+    dirty: Vec<QueueId>,
+    /// Queues with x-expires.
+    expirable: std::collections::BTreeSet<QueueId>,
+    /// Direct reply-to addresses (`amq.rabbitmq.reply-to.<suffix>`) → the channel they reach.
+    reply_to: HashMap<String, (ConnId, u16)>,
+}
+
+/// The pseudo-queue of RabbitMQ's direct reply-to.
+pub const REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// What became of a publish.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PublishOutcome {
+    /// Queues the message reached.
+    pub routed: usize,
+    /// Some queue refused it (x-overflow reject-publish): the publisher gets a basic.nack.
+    pub rejected: bool,
 }
 
 impl Default for Broker {
@@ -316,6 +339,9 @@ impl Broker {
             expiring: Default::default(),
             journal_enabled: false,
             journal: Vec::new(),
+            dirty: Vec::new(),
+            expirable: Default::default(),
+            reply_to: HashMap::new(),
         };
         b.add_vhost("/");
         b
@@ -373,17 +399,6 @@ impl Broker {
     pub fn take_journal(&mut self) -> Vec<Op> {
         if !self.journal_enabled {
             return Vec::new();
-        }
-        for id in &self.expiring {
-            if let Some(q) = self.queues.get_mut(id) {
-                if !q.dropped.is_empty() {
-                    self.journal.push(Op::Remove {
-                        vhost: q.vhost.clone(),
-                        queue: q.name.clone(),
-                        ids: std::mem::take(&mut q.dropped),
-                    });
-                }
-            }
         }
         std::mem::take(&mut self.journal)
     }
@@ -447,14 +462,18 @@ impl Broker {
     }
 
     /// Drop expired messages at the head of every queue that has some; returns how many went.
-    pub fn expire(&mut self) -> usize {
+    pub fn expire(&mut self, fx: &mut Vec<Effect>) -> usize {
         let now = self.now_ms;
         let mut dropped = 0;
         let mut done = Vec::new();
         for id in &self.expiring {
             match self.queues.get_mut(id) {
                 Some(q) => {
-                    dropped += q.drop_expired(now);
+                    let n = q.drop_expired(now);
+                    if n > 0 {
+                        dropped += n;
+                        self.dirty.push(*id);
+                    }
                     if !q.has_expiring() {
                         done.push(*id);
                     }
@@ -465,7 +484,115 @@ impl Broker {
         for id in done {
             self.expiring.remove(&id);
         }
+        // x-expires: a queue unused (no consumer, no declare, no get) that long goes, with its
+        // messages (not dead-lettered, as in RabbitMQ).
+        let unused: Vec<QueueId> = self
+            .expirable
+            .iter()
+            .filter(|id| {
+                self.queues.get(id).is_some_and(|q| {
+                    q.consumers.is_empty()
+                        && q.expires
+                            .is_some_and(|e| now >= q.last_used.saturating_add(e))
+                })
+            })
+            .copied()
+            .collect();
+        for id in unused {
+            if let Some(q) = self.queues.get_mut(&id) {
+                q.purge();
+            }
+            self.delete_queue_by_id(id, fx);
+        }
+        self.settle(fx);
         dropped
+    }
+
+    /// Dead-letter and un-store what queues dropped (expired, over their limit). Dead-lettering
+    /// can make other queues drop, so this runs until nothing is left (bounded).
+    fn settle(&mut self, fx: &mut Vec<Effect>) {
+        for _ in 0..64 {
+            if self.dirty.is_empty() {
+                return;
+            }
+            let mut dirty = std::mem::take(&mut self.dirty);
+            dirty.sort_unstable();
+            dirty.dedup();
+            for qid in dirty {
+                let Some(q) = self.queues.get_mut(&qid) else {
+                    continue;
+                };
+                let dropped = std::mem::take(&mut q.dropped);
+                if self.journal_enabled && q.is_stored() {
+                    for (m, _) in &dropped {
+                        if m.msg.persistent() {
+                            push_removal(&mut self.journal, q, m.id);
+                        }
+                    }
+                }
+                for (m, reason) in dropped {
+                    self.dead_letter(qid, &m, reason, fx);
+                }
+            }
+        }
+    }
+
+    /// Hand a message that left queue `qid` without an ack to the queue's dead-letter exchange.
+    fn dead_letter(
+        &mut self,
+        qid: QueueId,
+        m: &QueuedMessage,
+        reason: DropReason,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(q) = self.queues.get(&qid) else {
+            return;
+        };
+        let Some(dlx) = q.dead_letter_exchange.clone() else {
+            return;
+        };
+        let dlrk = q.dead_letter_routing_key.clone();
+        let (vhost, qname) = (q.vhost.clone(), q.name.clone());
+        let (props, raw_properties) = deadletter::dead_letter_properties(
+            &m.msg,
+            reason,
+            &qname,
+            self.now_ms / 1000,
+            dlrk.is_some(),
+        );
+        let keys: Vec<String> = match &dlrk {
+            Some(k) => vec![k.clone()],
+            None => {
+                let mut keys = vec![m.msg.routing_key.as_str().to_string()];
+                keys.extend(deadletter::header_keys(
+                    m.msg.properties.headers().as_ref(),
+                    "CC",
+                ));
+                keys
+            }
+        };
+        let routing_key = dlrk.unwrap_or_else(|| m.msg.routing_key.as_str().to_string());
+        let msg = Message {
+            exchange: dlx.as_str().into(),
+            routing_key: routing_key.as_str().into(),
+            raw_properties,
+            properties: props,
+            body: m.msg.body.clone(),
+            expiration: None,
+        };
+        // A missing dead-letter exchange drops the message silently, as RabbitMQ.
+        let Ok(targets) = self.route_keys(&vhost, &dlx, &keys, &msg, false) else {
+            return;
+        };
+        let targets: Vec<QueueId> = targets
+            .into_iter()
+            .filter(|t| {
+                self.queues
+                    .get(t)
+                    .is_some_and(|tq| !deadletter::is_cycle(&msg.properties, reason, &tq.name))
+            })
+            .collect();
+        self.deliver(&vhost, &targets, Arc::new(msg), fx);
     }
 
     pub fn has_vhost(&self, name: &str) -> bool {
@@ -540,6 +667,9 @@ impl Broker {
         else {
             return;
         };
+        if let Some((_, suffix)) = &state.reply_consumer {
+            self.reply_to.remove(suffix);
+        }
         let mut touched: Vec<QueueId> = Vec::new();
         for consumer in &state.consumers {
             let key = ConsumerKey {
@@ -556,7 +686,9 @@ impl Broker {
         for (_, u) in state.unacked.into_iter().rev() {
             if let Some(q) = self.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
-                q.requeue(u.qm);
+                if !q.requeue(u.qm) {
+                    self.dirty.push(u.queue);
+                }
                 touched.push(u.queue);
             }
         }
@@ -569,9 +701,13 @@ impl Broker {
 
     /// After consumers left or messages returned: auto-delete, or dispatch.
     fn after_consumer_change(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let Some(q) = self.queues.get(&id) else {
+        let now = self.now_ms;
+        let Some(q) = self.queues.get_mut(&id) else {
             return;
         };
+        if q.consumers.is_empty() {
+            q.last_used = now;
+        }
         if q.auto_delete && q.had_consumers && q.consumers.is_empty() {
             self.delete_queue_by_id(id, fx);
         } else {
@@ -1017,7 +1153,10 @@ impl Broker {
                 consumer_count: 0,
             };
         };
-        q.drop_expired(now);
+        if q.drop_expired(now) > 0 {
+            self.dirty.push(id);
+        }
+        q.last_used = now;
         QueueInfo {
             name: q.name.clone(),
             message_count: q.message_count() as u32,
@@ -1032,6 +1171,19 @@ impl Broker {
         mut d: QueueDeclare,
         fx: &mut Vec<Effect>,
     ) -> Result<QueueInfo, AmqpError> {
+        // Direct reply-to's pseudo-queue always "exists" with one consumer, as in RabbitMQ.
+        if d.name == REPLY_TO
+            || (d.passive
+                && d.name
+                    .strip_prefix("amq.rabbitmq.reply-to.")
+                    .is_some_and(|s| self.reply_to.contains_key(s)))
+        {
+            return Ok(QueueInfo {
+                name: d.name,
+                message_count: 0,
+                consumer_count: 1,
+            });
+        }
         if d.passive {
             // RabbitMQ: a passive declare with an empty name names the channel's last queue;
             // the caller resolves that before calling us.
@@ -1068,7 +1220,13 @@ impl Broker {
             args::check_equivalent(&what, &d.arguments, &q.arguments)?;
             return Ok(self.info(id));
         }
-        args::validate(&qname(vhost, &d.name), &d.arguments)?;
+        args::validate(
+            &qname(vhost, &d.name),
+            &d.arguments,
+            d.durable,
+            d.exclusive,
+            d.auto_delete,
+        )?;
         let name = d.name.clone();
         self.apply(
             &Op::DeclareQueue {
@@ -1082,6 +1240,13 @@ impl Broker {
             fx,
         )?;
         let id = self.queue_id(vhost, &name)?;
+        let now = self.now_ms;
+        if let Some(q) = self.queues.get_mut(&id) {
+            q.last_used = now;
+            if q.expires.is_some() {
+                self.expirable.insert(id);
+            }
+        }
         if d.exclusive {
             if let Some(q) = self.queues.get_mut(&id) {
                 q.owner = Some(conn);
@@ -1240,7 +1405,8 @@ impl Broker {
                 }
             }
         }
-        for key in q.consumers {
+        self.expirable.remove(&id);
+        for key in q.consumers.into_iter().map(|c| c.key) {
             if let Some(ch) = self
                 .conns
                 .get_mut(&key.conn)
@@ -1275,10 +1441,100 @@ impl Broker {
         vhost: &str,
         msg: Arc<Message>,
         fx: &mut Vec<Effect>,
-    ) -> Result<usize, AmqpError> {
-        let targets = self.route(vhost, msg.exchange.as_str(), &msg)?;
+    ) -> Result<PublishOutcome, AmqpError> {
+        // CC and BCC headers add routing keys; BCC is removed from the message (RabbitMQ).
+        let headers = msg.properties.headers().as_ref();
+        for name in ["CC", "BCC"] {
+            match headers.and_then(|h| h.inner().get(name)) {
+                None | Some(AMQPValue::FieldArray(_)) => {}
+                Some(other) => {
+                    return Err(AmqpError::precondition_failed(format!(
+                        "invalid message: {{unacceptable_type_in_header,\"{name}\",{}}}",
+                        type_name(other)
+                    )));
+                }
+            }
+        }
+        let cc = deadletter::header_keys(headers, "CC");
+        let bcc = deadletter::header_keys(headers, "BCC");
+        let has_bcc = headers.is_some_and(|h| h.contains_key("BCC"));
+        let mut keys = Vec::with_capacity(1 + cc.len() + bcc.len());
+        keys.push(msg.routing_key.as_str().to_string());
+        keys.extend(cc);
+        keys.extend(bcc);
+        let msg = if has_bcc {
+            let mut h = headers.map(|h| h.inner().clone()).unwrap_or_default();
+            h.remove("BCC");
+            let props = deadletter::rebuild(&msg.properties, Some(FieldTable::from(h)), true);
+            Arc::new(Message {
+                exchange: msg.exchange.clone(),
+                routing_key: msg.routing_key.clone(),
+                raw_properties: warren_protocol::codec::encode_properties(&props),
+                properties: props,
+                body: msg.body.clone(),
+                expiration: msg.expiration,
+            })
+        } else {
+            msg
+        };
+        if msg.exchange.as_str().is_empty() {
+            if let Some(suffix) = msg
+                .routing_key
+                .as_str()
+                .strip_prefix("amq.rabbitmq.reply-to.")
+            {
+                let delivered = self.deliver_reply(suffix, &msg, fx);
+                return Ok(PublishOutcome {
+                    routed: delivered as usize,
+                    rejected: false,
+                });
+            }
+        }
+        let targets = self.route_keys(vhost, msg.exchange.as_str(), &keys, &msg, true)?;
+        let outcome = self.deliver(vhost, &targets, msg, fx);
+        self.settle(fx);
+        Ok(outcome)
+    }
+
+    /// Enqueue a message into `targets`, minding each queue's limits; journals it for the
+    /// queues that store it.
+    fn deliver(
+        &mut self,
+        vhost: &str,
+        targets: &[QueueId],
+        msg: Arc<Message>,
+        fx: &mut Vec<Effect>,
+    ) -> PublishOutcome {
         let id = self.next_message_id;
         self.next_message_id += 1;
+        let total = targets.len();
+        let size = msg.body.len() as u64;
+        let mut rejected = false;
+        let mut accepted: Vec<QueueId> = Vec::with_capacity(targets.len());
+        for t in targets {
+            let Some(q) = self.queues.get_mut(t) else {
+                continue;
+            };
+            if q.overflow != Overflow::DropHead && q.would_overflow(size) {
+                rejected = true;
+                if q.overflow == Overflow::RejectPublishDlx {
+                    q.dropped.push((
+                        QueuedMessage {
+                            id,
+                            msg: msg.clone(),
+                            redelivered: false,
+                            expires_at: None,
+                            returns: 0,
+                        },
+                        DropReason::MaxLen,
+                    ));
+                    self.dirty.push(*t);
+                }
+                continue;
+            }
+            accepted.push(*t);
+        }
+        let targets = &accepted[..];
         if self.journal_enabled && msg.persistent() {
             let stored: Vec<String> = targets
                 .iter()
@@ -1299,8 +1555,11 @@ impl Broker {
                 });
             }
         }
-        self.enqueue(&targets, id, self.now_ms, msg, fx);
-        Ok(targets.len())
+        self.enqueue(targets, id, self.now_ms, msg, fx);
+        PublishOutcome {
+            routed: total,
+            rejected,
+        }
     }
 
     /// The queues a message goes to (each once), following exchange-to-exchange bindings.
@@ -1310,6 +1569,44 @@ impl Broker {
         exchange: &str,
         msg: &Message,
     ) -> Result<Vec<QueueId>, AmqpError> {
+        self.route_keys(
+            vhost,
+            exchange,
+            &[msg.routing_key.as_str().to_string()],
+            msg,
+            true,
+        )
+    }
+
+    /// Route with several routing keys (CC/BCC, dead-lettering); each queue once. The internal
+    /// check applies to client publishes only.
+    pub fn route_keys(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        keys: &[String],
+        msg: &Message,
+        check_internal: bool,
+    ) -> Result<Vec<QueueId>, AmqpError> {
+        let mut all = Vec::new();
+        for key in keys {
+            all.extend(self.route_one(vhost, exchange, key, msg, check_internal)?);
+        }
+        if keys.len() > 1 {
+            all.sort_unstable();
+            all.dedup();
+        }
+        Ok(all)
+    }
+
+    fn route_one(
+        &self,
+        vhost: &str,
+        exchange: &str,
+        key: &str,
+        msg: &Message,
+        check_internal: bool,
+    ) -> Result<Vec<QueueId>, AmqpError> {
         let v = self.vhost(vhost)?;
         let Some(x) = v.exchanges.get(exchange) else {
             return Err(AmqpError::not_found(format!(
@@ -1317,13 +1614,12 @@ impl Broker {
                 xname(vhost, exchange)
             )));
         };
-        if x.internal {
+        if x.internal && check_internal {
             return Err(AmqpError::access_refused(format!(
                 "cannot publish to internal {}",
                 xname(vhost, exchange)
             )));
         }
-        let key = msg.routing_key.as_str();
         let mut queues: Vec<QueueId> = Vec::new();
         if exchange.is_empty() {
             if let Some(&id) = v.queues.get(key) {
@@ -1394,15 +1690,25 @@ impl Broker {
                 msg: msg.clone(),
                 redelivered: false,
                 expires_at,
+                returns: 0,
             });
             if expires_at.is_some() {
                 self.expiring.insert(*qid);
             }
             self.dispatch(*qid, fx);
-            // A message whose TTL is 0 reaches a consumer that is ready now, or nobody.
-            if ttl == Some(0) {
-                if let Some(q) = self.queues.get_mut(qid) {
-                    q.drop_expired(at);
+            if let Some(q) = self.queues.get_mut(qid) {
+                // A message whose TTL is 0 reaches a consumer that is ready now, or nobody.
+                let mut dropped = if ttl == Some(0) {
+                    q.drop_expired(at)
+                } else {
+                    0
+                };
+                // drop-head: the new message is in; the oldest go until within the limits.
+                if q.overflow == Overflow::DropHead {
+                    dropped += q.trim_to_limits();
+                }
+                if dropped > 0 {
+                    self.dirty.push(*qid);
                 }
             }
         }
@@ -1420,9 +1726,26 @@ impl Broker {
         tag: &str,
         no_ack: bool,
         exclusive: bool,
+        arguments: &FieldTable,
         fx: &mut Vec<Effect>,
     ) -> Result<String, AmqpError> {
+        if queue == REPLY_TO {
+            return self.consume_replies(conn, ch, tag, no_ack);
+        }
         let id = self.usable_queue(conn, vhost, queue)?;
+        let priority = match arguments.inner().get("x-priority") {
+            None => 0,
+            Some(v) => match args::int_value(v) {
+                Some(p) => p.clamp(i64::MIN as i128, i64::MAX as i128) as i64,
+                None => {
+                    return Err(AmqpError::precondition_failed(format!(
+                        "invalid arg 'x-priority' for {}: \"expected integer, got {}\"",
+                        qname(vhost, queue),
+                        type_name(v)
+                    )));
+                }
+            },
+        };
         let tag = if tag.is_empty() {
             random_name("amq.ctag-")
         } else {
@@ -1456,15 +1779,91 @@ impl Broker {
             channel: ch,
             tag: tag.clone(),
         };
+        let now = self.now_ms;
         if let Some(q) = self.queues.get_mut(&id) {
             if exclusive {
                 q.exclusive_consumer = Some(key.clone());
             }
-            q.consumers.push(key);
+            q.add_consumer(QueueConsumer { key, priority });
             q.had_consumers = true;
+            q.last_used = now;
         }
         self.dispatch(id, fx);
+        self.settle(fx);
         Ok(tag)
+    }
+
+    /// Direct reply-to: subscribe this channel to the replies sent to its address.
+    fn consume_replies(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        tag: &str,
+        no_ack: bool,
+    ) -> Result<String, AmqpError> {
+        if !no_ack {
+            return Err(AmqpError::precondition_failed(
+                "reply consumer cannot acknowledge",
+            ));
+        }
+        let tag = if tag.is_empty() {
+            random_name("amq.ctag-")
+        } else {
+            tag.to_string()
+        };
+        let state = self.channel(conn, ch)?;
+        if state.reply_consumer.is_some() {
+            return Err(AmqpError::precondition_failed("reply consumer already set"));
+        }
+        if state.consumers.iter().any(|c| *c.tag == *tag) {
+            return Err(AmqpError::not_allowed(format!(
+                "attempt to reuse consumer tag '{tag}'"
+            )));
+        }
+        let suffix = random_name("");
+        state.reply_consumer = Some((Arc::from(tag.as_str()), suffix.clone()));
+        self.reply_to.insert(suffix, (conn, ch));
+        Ok(tag)
+    }
+
+    /// The address a request published with `reply_to = amq.rabbitmq.reply-to` on this channel
+    /// carries instead (406 when the channel has no reply consumer, as RabbitMQ).
+    pub fn reply_address(&mut self, conn: ConnId, ch: u16) -> Result<String, AmqpError> {
+        match &self.channel(conn, ch)?.reply_consumer {
+            Some((_, suffix)) => Ok(format!("{REPLY_TO}.{suffix}")),
+            None => Err(AmqpError::precondition_failed(
+                "fast reply consumer does not exist",
+            )),
+        }
+    }
+
+    /// A reply published to `amq.rabbitmq.reply-to.<suffix>` on the default exchange goes
+    /// straight to the requesting channel's reply consumer. Returns whether it was delivered.
+    fn deliver_reply(&mut self, suffix: &str, msg: &Arc<Message>, fx: &mut Vec<Effect>) -> bool {
+        let Some(&(conn, ch)) = self.reply_to.get(suffix) else {
+            return false;
+        };
+        let Some(state) = self
+            .conns
+            .get_mut(&conn)
+            .and_then(|c| c.channels.get_mut(&ch))
+        else {
+            return false;
+        };
+        let Some((tag, _)) = &state.reply_consumer else {
+            return false;
+        };
+        let delivery_tag = state.next_tag;
+        state.next_tag += 1;
+        fx.push(Effect::Deliver {
+            conn,
+            channel: ch,
+            consumer_tag: tag.clone(),
+            delivery_tag,
+            redelivered: false,
+            msg: msg.clone(),
+        });
+        true
     }
 
     /// basic.cancel; returns whether the consumer existed.
@@ -1472,6 +1871,16 @@ impl Broker {
         let Ok(state) = self.channel(conn, ch) else {
             return false;
         };
+        if state
+            .reply_consumer
+            .as_ref()
+            .is_some_and(|(t, _)| &**t == tag)
+        {
+            if let Some((_, suffix)) = state.reply_consumer.take() {
+                self.reply_to.remove(&suffix);
+            }
+            return true;
+        }
         let Some(pos) = state.consumers.iter().position(|c| &*c.tag == tag) else {
             return false;
         };
@@ -1550,6 +1959,7 @@ impl Broker {
             conns,
             journal,
             journal_enabled,
+            dirty,
             ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
@@ -1558,15 +1968,22 @@ impl Broker {
         while !q.is_empty() && !q.consumers.is_empty() {
             // Expired messages never reach a consumer (strictly past their time, so a TTL-0
             // message can still go to a consumer that is ready when it arrives).
-            q.drop_expired(now.saturating_sub(1));
+            if q.drop_expired(now.saturating_sub(1)) > 0 {
+                dirty.push(id);
+            }
             if q.is_empty() {
                 break;
             }
             let n = q.consumers.len();
             let mut chosen = None;
-            for i in 0..n {
-                let idx = (q.next + i) % n;
-                let key = &q.consumers[idx];
+            // Plain queues try consumers round-robin from `next`; with consumer priorities or a
+            // single active consumer the queue orders them.
+            let ordered = q.single_active || q.consumers.iter().any(|c| c.priority != 0);
+            let order: Vec<usize> = if ordered { q.candidates() } else { Vec::new() };
+                        let (next, count) = (q.next, if ordered { order.len() } else { n });
+            let indexes = (0..count).map(|i| if ordered { order[i] } else { (next + i) % n });
+            for idx in indexes {
+                let key = &q.consumers[idx].key;
                 let Some(conn) = conns.get(&key.conn) else {
                     continue;
                 };
@@ -1598,7 +2015,7 @@ impl Broker {
                 break;
             };
             q.next = (idx + 1) % n;
-            let key = q.consumers[idx].clone();
+            let key = q.consumers[idx].key.clone();
             let Some(qm) = q.pop() else {
                 break;
             };
@@ -1620,7 +2037,7 @@ impl Broker {
             };
             let consumer_tag = c.tag.clone();
             let redelivered = qm.redelivered;
-            let msg = qm.msg.clone();
+            let msg = q.outgoing(&qm);
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
                 if *journal_enabled && q.is_stored() && msg.persistent() {
@@ -1667,12 +2084,16 @@ impl Broker {
             conns,
             journal,
             journal_enabled,
+            dirty,
             ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
             return Ok(None);
         };
-        q.drop_expired(now);
+        q.last_used = now;
+        if q.drop_expired(now) > 0 {
+            dirty.push(id);
+        }
         let state = conns
             .get_mut(&conn)
             .and_then(|c| c.channels.get_mut(&ch))
@@ -1685,7 +2106,7 @@ impl Broker {
         let result = GetResult {
             delivery_tag: tag,
             redelivered: qm.redelivered,
-            msg: qm.msg.clone(),
+            msg: q.outgoing(&qm),
             message_count: q.message_count() as u32,
         };
         if no_ack {
@@ -1821,6 +2242,7 @@ impl Broker {
         for id in queues {
             self.dispatch(id, fx);
         }
+        self.settle(fx);
     }
 
     /// basic.nack / basic.reject: requeue at the original place, or drop.
@@ -1838,11 +2260,17 @@ impl Broker {
             self.record_removals(taken.iter());
         }
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
+        if !requeue {
+            // Rejected messages go to the dead-letter exchange, in delivery-tag order.
+            for u in &taken {
+                self.dead_letter(u.queue, &u.qm, DropReason::Rejected, fx);
+            }
+        }
         for u in taken.into_iter().rev() {
             if let Some(q) = self.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
-                if requeue {
-                    q.requeue(u.qm);
+                if requeue && !q.requeue(u.qm) {
+                    self.dirty.push(u.queue);
                 }
             }
             if !touched.contains(&u.queue) {

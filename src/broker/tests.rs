@@ -61,10 +61,30 @@ fn round_robin_and_prefetch() {
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
     b.qos(c, 1, 1, false, &mut fx);
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
-        .unwrap();
-    b.consume(c, 1, "/", "q", "b", false, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "a",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "b",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     for i in 0..4 {
         b.publish("/", msg("", "q", &i.to_string()), &mut fx)
             .unwrap();
@@ -90,10 +110,30 @@ fn channel_limit_is_shared_by_its_consumers() {
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
     b.qos(c, 1, 3, true, &mut fx);
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
-        .unwrap();
-    b.consume(c, 1, "/", "q", "b", false, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "a",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "b",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     for i in 0..10 {
         b.publish("/", msg("", "q", &i.to_string()), &mut fx)
             .unwrap();
@@ -141,8 +181,18 @@ fn closing_a_channel_requeues_in_order() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "a", false, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "a",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     for i in 0..3 {
         b.publish("/", msg("", "q", &i.to_string()), &mut fx)
             .unwrap();
@@ -179,7 +229,17 @@ fn exclusive_queues_belong_to_their_connection() {
     )
     .unwrap();
     let e = b
-        .consume(other, 1, "/", "ex", "", false, false, &mut fx)
+        .consume(
+            other,
+            1,
+            "/",
+            "ex",
+            "",
+            false,
+            false,
+            &FieldTable::default(),
+            &mut fx,
+        )
         .unwrap_err();
     assert_eq!(e.code, ReplyCode::ResourceLocked);
     b.connection_close(c, &mut fx);
@@ -201,10 +261,30 @@ fn auto_delete_queue_goes_with_its_last_consumer() {
         &mut fx,
     )
     .unwrap();
-    b.consume(c, 1, "/", "ad", "t1", false, false, &mut fx)
-        .unwrap();
-    b.consume(c, 1, "/", "ad", "t2", false, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "ad",
+        "t1",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "ad",
+        "t2",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     assert!(b.cancel(c, 1, "t1", &mut fx));
     assert!(b.queue_info("/", "ad").is_some());
     assert!(b.cancel(c, 1, "t2", &mut fx));
@@ -260,7 +340,10 @@ fn exchange_to_exchange_routing_cuts_cycles_and_delivers_once() {
         .unwrap();
     b.queue_bind(c, "/", "q", "x2", "", &args, true, &mut fx)
         .unwrap();
-    assert_eq!(b.publish("/", msg("x1", "k", "m"), &mut fx).unwrap(), 1);
+    assert_eq!(
+        b.publish("/", msg("x1", "k", "m"), &mut fx).unwrap().routed,
+        1
+    );
     assert_eq!(b.queue_info("/", "q").unwrap().message_count, 1);
 }
 
@@ -269,8 +352,18 @@ fn deleting_a_queue_cancels_its_consumers() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "t", false, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "t",
+        false,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     b.queue_delete(c, "/", "q", false, false, &mut fx).unwrap();
     assert!(fx.iter().any(
         |e| matches!(e, Effect::ConsumerCancelled { consumer_tag, .. } if &**consumer_tag == "t")
@@ -282,8 +375,18 @@ fn a_reader_that_stops_is_throttled_then_resumed() {
     let (mut b, c) = setup();
     declare(&mut b, c, "q");
     let mut fx = Vec::new();
-    b.consume(c, 1, "/", "q", "t", true, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "t",
+        true,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     let big = "x".repeat(1024 * 1024);
     for _ in 0..10 {
         b.publish("/", msg("", "q", &big), &mut fx).unwrap();
@@ -372,7 +475,7 @@ fn ttl_expires_at_the_head_and_zero_ttl_needs_a_ready_consumer() {
     b.publish("/", msg("", "ttl", "b"), &mut fx).unwrap();
     assert_eq!(b.queue_info("/", "ttl").unwrap().message_count, 2);
     b.set_clock(11_000);
-    assert_eq!(b.expire(), 1, "the head expired");
+    assert_eq!(b.expire(&mut fx), 1, "the head expired");
     assert_eq!(b.queue_info("/", "ttl").unwrap().message_count, 1);
     // Per-message expiration 0: dropped unless a consumer takes it at once.
     declare(&mut b, c, "zero");
@@ -383,8 +486,18 @@ fn ttl_expires_at_the_head_and_zero_ttl_needs_a_ready_consumer() {
     b.publish("/", zero.clone(), &mut fx).unwrap();
     assert_eq!(b.queue_info("/", "zero").unwrap().message_count, 0);
     fx.clear();
-    b.consume(c, 1, "/", "zero", "t", true, false, &mut fx)
-        .unwrap();
+    b.consume(
+        c,
+        1,
+        "/",
+        "zero",
+        "t",
+        true,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
     b.publish("/", zero, &mut fx).unwrap();
     assert_eq!(delivered(&fx).len(), 1);
 }

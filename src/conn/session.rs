@@ -428,12 +428,13 @@ impl Session {
                 match next_failed {
                     Some(f) if f == chan.acked_upto + 1 => {
                         chan.failed.remove(&f);
+                        // RabbitMQ sets the requeue bit on publisher nacks.
                         self.outbox.method(
                             *ch,
                             &AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
                                 delivery_tag: f,
                                 multiple: false,
-                                requeue: false,
+                                requeue: true,
                             })),
                         );
                         chan.acked_upto = f;

@@ -94,6 +94,7 @@ impl Session {
                 c.consumer_tag.as_str(),
                 c.no_ack,
                 c.exclusive,
+                &c.arguments,
                 fx,
             )?;
             if !c.nowait {
@@ -193,11 +194,22 @@ impl Session {
             None => None,
         };
         let mandatory = content.publish.mandatory;
+        let (mut properties, mut raw_properties) = (content.properties, content.raw_properties);
+        // Direct reply-to: the request carries this channel's reply address instead.
+        if properties.reply_to().as_ref().map(|r| r.as_str()) == Some(crate::broker::REPLY_TO) {
+            let conn = self.conn;
+            let address = core(&self.shared, &mut self.ctx, |b, _| {
+                b.reply_address(conn, ch)
+            })
+            .map_err(|e| e.on(60, 40))?;
+            properties = properties.with_reply_to(address.as_str().into());
+            raw_properties = warren_protocol::codec::encode_properties(&properties);
+        }
         let msg = Arc::new(Message {
             exchange: content.publish.exchange,
             routing_key: content.publish.routing_key,
-            properties: content.properties,
-            raw_properties: content.raw_properties,
+            properties,
+            raw_properties,
             body: content.body,
             expiration,
         });
@@ -214,11 +226,15 @@ impl Session {
             }
             return Ok(());
         }
-        self.route_message(ch, msg, mandatory)?;
+        let rejected = self.route_message(ch, msg, mandatory)?;
         let ticket = self.ctx.last_ticket.take();
         let chan = self.chan(ch)?;
         if chan.confirm {
             chan.publish_seq += 1;
+            if rejected {
+                let seq = chan.publish_seq;
+                chan.failed.insert(seq);
+            }
             // A persistent message in a durable queue is confirmed after its fsync.
             if let Some(ticket) = ticket {
                 let (seq, generation) = (chan.publish_seq, chan.generation);
@@ -236,15 +252,16 @@ impl Session {
     }
 
     /// Enqueue a message; unroutable mandatory messages come back as basic.return.
+    /// Returns whether a queue refused the message (x-overflow reject-publish).
     pub(crate) fn route_message(
         &mut self,
         ch: u16,
         msg: Arc<Message>,
         mandatory: bool,
-    ) -> Result<(), AmqpError> {
+    ) -> Result<bool, AmqpError> {
         core(&self.shared, &mut self.ctx, |b, fx| {
-            let routed = b.publish(&self.vhost, msg.clone(), fx)?;
-            if routed == 0 && mandatory {
+            let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
+            if outcome.routed == 0 && mandatory {
                 self.outbox.method_with_content(
                     ch,
                     &AMQPClass::Basic(M::Return(basic::Return {
@@ -256,7 +273,7 @@ impl Session {
                     &msg,
                 );
             }
-            Ok(())
+            Ok(outcome.rejected)
         })
         .map_err(|e: AmqpError| e.on(60, 40))
     }

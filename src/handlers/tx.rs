@@ -25,7 +25,7 @@ impl Session {
             M::Commit(_) => {
                 let work = self.take_tx(ch)?;
                 for (msg, mandatory) in work.publishes {
-                    self.route_message(ch, msg, mandatory)?;
+                    let _ = self.route_message(ch, msg, mandatory)?;
                 }
                 for ack in work.acks {
                     self.apply_ack(ch, ack)?;

@@ -2,6 +2,9 @@
 //! bottom and in `rocks.rs`). `open` must return a handle on the *same* stored data each time
 //! (for RocksDB: close and reopen the folder), so the suite checks what survives a reopen.
 
+// A conformance suite reports failure by panicking, like any test.
+#![allow(clippy::unwrap_used)]
+
 use crate::op::{BindingDest, Op};
 use crate::Store;
 use bytes::Bytes;
