@@ -1980,7 +1980,7 @@ impl Broker {
             // single active consumer the queue orders them.
             let ordered = q.single_active || q.consumers.iter().any(|c| c.priority != 0);
             let order: Vec<usize> = if ordered { q.candidates() } else { Vec::new() };
-                        let (next, count) = (q.next, if ordered { order.len() } else { n });
+            let (next, count) = (q.next, if ordered { order.len() } else { n });
             let indexes = (0..count).map(|i| if ordered { order[i] } else { (next + i) % n });
             for idx in indexes {
                 let key = &q.consumers[idx].key;
