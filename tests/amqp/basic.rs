@@ -428,20 +428,31 @@ async fn reject_without_requeue_drops_and_ack_multiple_acks_all() {
 
 #[tokio::test]
 async fn acking_an_unknown_tag_is_406_on_the_channel() {
+    // Raw frames: the 406 arrives asynchronously as channel.close, and a client library may
+    // report it in different ways depending on timing.
+    use amq_protocol::protocol::{basic, AMQPClass};
     let server = TestServer::start().await;
-    let conn = server.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.basic_ack(99, Default::default()).await.unwrap();
-    // The error comes asynchronously as channel.close; the next call fails with it.
-    let err = ch
-        .queue_declare("".into(), Default::default(), FieldTable::default())
-        .await
-        .unwrap_err();
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: 99,
+            multiple: false,
+        })),
+    )
+    .await;
+    let close = raw.expect_channel_close(1).await;
     assert_eq!(
-        amqp_error(&err),
-        (406, "PRECONDITION_FAILED - unknown delivery tag 99".into())
+        (
+            close.reply_code,
+            close.reply_text.as_str(),
+            close.class_id,
+            close.method_id
+        ),
+        (406, "PRECONDITION_FAILED - unknown delivery tag 99", 60, 80)
     );
-    conn.create_channel().await.unwrap();
+    raw.open_channel(2).await;
 }
 
 #[tokio::test]
