@@ -12,5 +12,6 @@ mod crash;
 mod durability;
 mod errors;
 mod exchange;
+mod extensions;
 mod queue;
 mod routing;
