@@ -22,6 +22,9 @@ pub struct Config {
     pub handshake_timeout: Duration,
     /// How long shutdown waits for clients to acknowledge connection.close.
     pub shutdown_grace: Duration,
+    /// Cancel a consumer that holds a delivery unacknowledged longer than this (RabbitMQ's
+    /// consumer_timeout); None (the default) disables it.
+    pub consumer_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -37,6 +40,7 @@ impl Default for Config {
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(3),
+            consumer_timeout: None,
         }
     }
 }

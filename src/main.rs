@@ -32,6 +32,10 @@ struct ServerArgs {
     /// Heartbeat interval offered to clients, in seconds (0 disables).
     #[arg(long, default_value_t = 60)]
     heartbeat: u16,
+    /// Cancel a consumer holding a delivery unacknowledged this long, in milliseconds, and
+    /// requeue what it holds (off by default).
+    #[arg(long)]
+    consumer_timeout_ms: Option<u64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -61,6 +65,9 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         amqp_listen: args.amqp_listen,
         data_dir: args.data_dir,
         heartbeat: args.heartbeat,
+        consumer_timeout: args
+            .consumer_timeout_ms
+            .map(std::time::Duration::from_millis),
         ..Default::default()
     };
     let listener = tokio::net::TcpListener::bind(config.amqp_listen)

@@ -215,6 +215,9 @@ pub async fn serve(
                 broker.set_clock(crate::conn::session::now_ms());
                 let mut fx = Vec::new();
                 broker.expire(&mut fx);
+                if let Some(t) = shared.config.consumer_timeout {
+                    broker.enforce_ack_timeout(t.as_millis() as u64, &mut fx);
+                }
                 shared.apply_effects(&mut fx);
             }
         }

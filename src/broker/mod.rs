@@ -87,6 +87,8 @@ struct Unacked {
     qm: QueuedMessage,
     /// Which consumer got it (None for basic.get).
     consumer: Option<Arc<str>>,
+    /// When it was delivered (ms), for the consumer ack timeout.
+    delivered_at: u64,
 }
 
 #[derive(Debug)]
@@ -506,6 +508,65 @@ impl Broker {
         }
         self.settle(fx);
         dropped
+    }
+
+    /// Consumer ack timeout: a consumer holding a delivery unacknowledged longer than
+    /// `timeout_ms` is cancelled (the client is told, if it takes cancel notifications) and the
+    /// messages it holds go back to their queues. Only that consumer is affected; its channel
+    /// stays open. Returns how many consumers were cancelled.
+    pub fn enforce_ack_timeout(&mut self, timeout_ms: u64, fx: &mut Vec<Effect>) -> usize {
+        let now = self.now_ms;
+        let mut stuck: Vec<(ConnId, u16, Arc<str>)> = Vec::new();
+        for (conn, c) in &self.conns {
+            for (ch, state) in &c.channels {
+                for u in state.unacked.values() {
+                    if let Some(tag) = &u.consumer {
+                        if now.saturating_sub(u.delivered_at) > timeout_ms
+                            && !stuck
+                                .iter()
+                                .any(|(a, b, t)| a == conn && b == ch && t == tag)
+                        {
+                            stuck.push((*conn, *ch, tag.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        for (conn, ch, tag) in &stuck {
+            tracing::warn!(conn, ch, tag = %tag, timeout_ms, "consumer ack timeout: cancelling");
+            let mut requeue: Vec<(QueueId, QueuedMessage)> = Vec::new();
+            if let Ok(state) = self.channel(*conn, *ch) {
+                let tags: Vec<u64> = state
+                    .unacked
+                    .iter()
+                    .filter(|(_, u)| u.consumer.as_ref() == Some(tag))
+                    .map(|(t, _)| *t)
+                    .collect();
+                for t in tags {
+                    if let Some(u) = state.unacked.remove(&t) {
+                        state.consumer_unacked -= 1;
+                        requeue.push((u.queue, u.qm));
+                    }
+                }
+            }
+            for (qid, qm) in requeue.into_iter().rev() {
+                if let Some(q) = self.queues.get_mut(&qid) {
+                    q.unacked -= 1;
+                    if !q.requeue(qm) {
+                        self.dirty.push(qid);
+                    }
+                }
+            }
+            if self.cancel(*conn, *ch, tag, fx) {
+                fx.push(Effect::ConsumerCancelled {
+                    conn: *conn,
+                    channel: *ch,
+                    consumer_tag: tag.clone(),
+                });
+            }
+        }
+        self.settle(fx);
+        stuck.len()
     }
 
     /// Dead-letter and un-store what queues dropped (expired, over their limit). Dead-lettering
@@ -2053,6 +2114,7 @@ impl Broker {
                         queue: id,
                         qm,
                         consumer: Some(consumer_tag.clone()),
+                        delivered_at: now,
                     },
                 );
             }
@@ -2121,6 +2183,7 @@ impl Broker {
                     queue: id,
                     qm,
                     consumer: None,
+                    delivered_at: now,
                 },
             );
         }

@@ -634,3 +634,49 @@ async fn queue_types_quorum_rules_delivery_count_and_no_streams_yet() {
     assert_eq!(code, 406);
     assert!(text.contains("stream queues are not supported"), "{text}");
 }
+
+#[tokio::test]
+async fn consumer_ack_timeout_cancels_only_the_stuck_consumer() {
+    let config = warren::Config {
+        consumer_timeout: Some(Duration::from_millis(300)),
+        ..Default::default()
+    };
+    let server = TestServer::start_with(config).await;
+    let conn = server.connect().await;
+    let stuck_ch = conn.create_channel().await.unwrap();
+    let q = unique("slow");
+    declare(&stuck_ch, &q, FieldTable::default()).await;
+    let mut stuck = stuck_ch
+        .basic_consume(
+            q.as_str().into(),
+            "stuck".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    publish(&stuck_ch, &q, "job", BasicProperties::default()).await;
+    let first = next_delivery(&mut stuck).await;
+    assert!(!first.redelivered);
+    let other_ch = conn.create_channel().await.unwrap();
+    let mut other = other_ch
+        .basic_consume(
+            q.as_str().into(),
+            "other".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // The stuck consumer is cancelled (its stream ends) and its message goes to the other one.
+    use futures::StreamExt;
+    let end = tokio::time::timeout(WAIT, stuck.next()).await.unwrap();
+    assert!(end.is_none(), "stuck consumer cancelled: {end:?}");
+    let again = next_delivery(&mut other).await;
+    assert_eq!(
+        (again.data.as_slice(), again.redelivered),
+        (&b"job"[..], true)
+    );
+    // Its channel is still usable.
+    declare(&stuck_ch, &unique("still-open"), FieldTable::default()).await;
+}
