@@ -1819,6 +1819,14 @@ impl Broker {
             )));
         }
         let q = &self.queues[&id];
+        // Quorum queues have no channel-wide prefetch (RabbitMQ: a connection error).
+        if q.quorum && self.channel(conn, ch)?.prefetch_channel > 0 {
+            return Err(AmqpError::not_implemented(format!(
+                "{} does not support global qos",
+                qname(vhost, queue)
+            )));
+        }
+        let q = &self.queues[&id];
         if q.exclusive_consumer.is_some() || (exclusive && !q.consumers.is_empty()) {
             return Err(AmqpError::access_refused(format!(
                 "{} in exclusive use",

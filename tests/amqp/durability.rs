@@ -332,3 +332,80 @@ async fn a_data_folder_in_use_is_refused() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn extension_queues_keep_their_behaviour_across_a_restart() {
+    let server = TestServer::start().await;
+    let mut prio = FieldTable::default();
+    prio.insert("x-max-priority".into(), AMQPValue::LongInt(9));
+    prio.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("".into()),
+    );
+    prio.insert(
+        "x-dead-letter-routing-key".into(),
+        AMQPValue::LongString("dead".into()),
+    );
+    {
+        let conn = server.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(Default::default()).await.unwrap();
+        ch.queue_declare("dead".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        ch.queue_declare("prio".into(), durable_q(), prio.clone())
+            .await
+            .unwrap();
+        for (body, p) in [("low", 1u8), ("high", 9), ("mid", 5)] {
+            ch.basic_publish(
+                "".into(),
+                "prio".into(),
+                Default::default(),
+                body.as_bytes(),
+                persistent().with_priority(p),
+            )
+            .await
+            .unwrap();
+        }
+        ch.wait_for_confirms().await.unwrap();
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    // Same arguments: still equivalent after the restart.
+    ch.queue_declare("prio".into(), durable_q(), prio)
+        .await
+        .unwrap();
+    let first = ch
+        .basic_get("prio".into(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.delivery.data, b"high", "priority order survives");
+    // The dead-letter settings survive: a rejected message goes to "dead".
+    ch.basic_reject(
+        first.delivery.delivery_tag,
+        BasicRejectOptions { requeue: false },
+    )
+    .await
+    .unwrap();
+    let mut dead = None;
+    for _ in 0..50 {
+        dead = ch
+            .basic_get("dead".into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
+        if dead.is_some() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(dead.expect("dead-lettered").delivery.data, b"high");
+    let next = ch
+        .basic_get("prio".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.delivery.data, b"mid");
+}

@@ -680,3 +680,40 @@ async fn consumer_ack_timeout_cancels_only_the_stuck_consumer() {
     // Its channel is still usable.
     declare(&stuck_ch, &unique("still-open"), FieldTable::default()).await;
 }
+
+#[tokio::test]
+async fn quorum_queues_refuse_global_qos() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("qq-global");
+    ch.queue_declare(
+        q.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args(&[("x-queue-type", s("quorum"))]),
+    )
+    .await
+    .unwrap();
+    ch.basic_qos(10, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let err = ch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        amqp_error(&err),
+        (
+            540,
+            format!("NOT_IMPLEMENTED - queue '{q}' in vhost '/' does not support global qos")
+        )
+    );
+}
