@@ -197,6 +197,8 @@ async fn rejected_messages_are_dead_lettered_with_x_death() {
     assert!(matches!(field("time"), Some(AMQPValue::Timestamp(_))));
     assert_eq!(h.inner().get("x-first-death-reason"), Some(&s("rejected")));
     assert_eq!(h.inner().get("x-first-death-queue"), Some(&s(&src)));
+    assert_eq!(h.inner().get("x-last-death-reason"), Some(&s("rejected")));
+    assert_eq!(h.inner().get("x-last-death-queue"), Some(&s(&src)));
     assert_eq!(
         d.delivery.properties.expiration(),
         &None,
