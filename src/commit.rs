@@ -58,6 +58,22 @@ impl Drop for Committer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        let s = &self.stats;
+        let (syncs, messages) = (
+            s.syncs.load(Ordering::Relaxed),
+            s.messages.load(Ordering::Relaxed),
+        );
+        tracing::info!(
+            writes = s.writes.load(Ordering::Relaxed),
+            syncs,
+            messages,
+            messages_per_sync = if syncs == 0 {
+                0.0
+            } else {
+                messages as f64 / syncs as f64
+            },
+            "committer closed"
+        );
     }
 }
 

@@ -19,6 +19,8 @@ struct Cli {
 enum Command {
     /// Run the broker (the default).
     Server(ServerArgs),
+    /// Load a broker and report rates and latencies (RabbitMQ's PerfTest, in spirit).
+    Perf(warren::perf::PerfArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -47,15 +49,15 @@ fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_env("WARREN_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
-    let args = match cli.command {
-        Some(Command::Server(a)) => a,
-        None => cli.server,
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args))
+    match cli.command {
+        Some(Command::Server(a)) => runtime.block_on(serve(a)),
+        Some(Command::Perf(a)) => runtime.block_on(warren::perf::run(a)).map(|_| ()),
+        None => runtime.block_on(serve(cli.server)),
+    }
 }
 
 async fn serve(args: ServerArgs) -> anyhow::Result<()> {

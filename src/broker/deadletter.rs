@@ -180,7 +180,7 @@ pub fn dead_letter_properties(
             headers.entry(k.into()).or_insert_with(|| s(v));
         }
     }
-        // RabbitMQ 3.13's x-last-death-* name the newest death (3.10 has none; clients written for
+    // RabbitMQ 3.13's x-last-death-* name the newest death (3.10 has none; clients written for
     // newer brokers read them).
     for (k, v) in [
         ("x-last-death-exchange", msg.exchange.as_str()),

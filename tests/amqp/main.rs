@@ -13,5 +13,6 @@ mod durability;
 mod errors;
 mod exchange;
 mod extensions;
+mod perf;
 mod queue;
 mod routing;
