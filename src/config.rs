@@ -25,6 +25,9 @@ pub struct Config {
     /// Cancel a consumer that holds a delivery unacknowledged longer than this (RabbitMQ's
     /// consumer_timeout); None (the default) disables it.
     pub consumer_timeout: Option<Duration>,
+    /// Block publishers (connection.blocked) while the data folder's file system has less free
+    /// space than this (RabbitMQ's disk_free_limit, 50 MB by default).
+    pub disk_free_limit: u64,
 }
 
 impl Default for Config {
@@ -41,6 +44,7 @@ impl Default for Config {
             handshake_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(3),
             consumer_timeout: None,
+            disk_free_limit: 50_000_000,
         }
     }
 }

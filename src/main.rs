@@ -38,6 +38,9 @@ struct ServerArgs {
     /// requeue what it holds (off by default).
     #[arg(long)]
     consumer_timeout_ms: Option<u64>,
+    /// Block publishers while the data folder's disk has less free space than this (bytes).
+    #[arg(long, default_value_t = 50_000_000)]
+    disk_free_limit: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,6 +73,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         consumer_timeout: args
             .consumer_timeout_ms
             .map(std::time::Duration::from_millis),
+        disk_free_limit: args.disk_free_limit,
         ..Default::default()
     };
     let listener = tokio::net::TcpListener::bind(config.amqp_listen)

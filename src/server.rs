@@ -25,6 +25,12 @@ pub struct Shared {
     pub outboxes: RwLock<HashMap<ConnId, Arc<Outbox>>>,
     /// Writes durable changes to the store (None: nothing is kept across restarts).
     pub committer: Option<Committer>,
+    /// The free-disk-space threshold in force (starts at `config.disk_free_limit`; adjustable
+    /// while running).
+    pub disk_free_limit: std::sync::atomic::AtomicU64,
+    /// The disk alarm: true while free space is below the limit. Publishing connections wait
+    /// on it (connection.blocked).
+    pub disk_alarm: watch::Sender<bool>,
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -74,6 +80,8 @@ impl Shared {
             broker: Mutex::new(Broker::new()),
             outboxes: RwLock::new(HashMap::new()),
             committer: None,
+            disk_free_limit: std::sync::atomic::AtomicU64::new(0),
+            disk_alarm: watch::channel(false).0,
         })
     }
 
@@ -101,11 +109,14 @@ impl Shared {
         broker.mark_recovered();
         broker.enable_journal();
         info!(definitions, messages, path = %path.display(), "recovered");
+        let limit = config.disk_free_limit;
         Ok(Arc::new(Shared {
             config,
             broker: Mutex::new(broker),
             outboxes: RwLock::new(HashMap::new()),
             committer: Some(Committer::start(Arc::new(store))),
+            disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
+            disk_alarm: watch::channel(false).0,
         }))
     }
 
@@ -202,6 +213,34 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let tracker = TaskTracker::new();
+    // The disk alarm: free space on the data folder's file system is checked every second;
+    // below the limit, publishers are blocked (as RabbitMQ's disk_free_limit does) so that a
+    // full disk never turns into lost confirms.
+    let disk_monitor = tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let limit = shared
+                    .disk_free_limit
+                    .load(std::sync::atomic::Ordering::Relaxed);
+                let free = free_space(&shared.config.data_dir);
+                let low = free.is_some_and(|f| f < limit);
+                if *shared.disk_alarm.borrow() != low {
+                    if low {
+                        warn!(
+                            ?free,
+                            limit, "disk alarm: free space below the limit, blocking publishers"
+                        );
+                    } else {
+                        info!(?free, limit, "disk alarm cleared");
+                    }
+                    shared.disk_alarm.send_replace(low);
+                }
+            }
+        }
+    });
     // Expired messages leave their queues even when nobody consumes (RabbitMQ removes them at
     // the head); a tick is cheap when no queue holds expiring messages.
     let ticker = tokio::spawn({
@@ -248,6 +287,7 @@ pub async fn serve(
     }
     info!("shutting down: closing connections");
     ticker.abort();
+    disk_monitor.abort();
     drop(listener);
     let _ = stop_tx.send(true);
     tracker.close();
@@ -257,4 +297,10 @@ pub async fn serve(
     }
     info!("stopped");
     Ok(())
+}
+
+/// Free bytes for unprivileged users on the file system holding `path`.
+fn free_space(path: &std::path::Path) -> Option<u64> {
+    let s = rustix::fs::statvfs(path).ok()?;
+    Some(s.f_bavail.saturating_mul(s.f_frsize))
 }

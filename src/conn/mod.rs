@@ -67,11 +67,32 @@ pub async fn serve(
     let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
     session.start();
     let mut frames = FramedRead::new(rd, FrameCodec::new(shared.config.frame_max));
+    let mut disk_alarm = shared.disk_alarm.subscribe();
     let mut last_recv = Instant::now();
     // Set when we sent connection.close and wait for close-ok.
     let mut closing_deadline: Option<Instant> = None;
 
     loop {
+        // Disk alarm: a connection that publishes stops being read (TCP back-pressure) until
+        // the alarm clears; clients that understand it are told with connection.blocked.
+        if session.published && *disk_alarm.borrow() && session.is_open() {
+            session.published = false;
+            session.send_blocked(true);
+            loop {
+                tokio::select! {
+                    changed = disk_alarm.changed() => {
+                        if changed.is_err() || !*disk_alarm.borrow() {
+                            break;
+                        }
+                    }
+                    _ = writer_done.cancelled() => break,
+                    _ = stop.changed() => break,
+                }
+            }
+            session.send_blocked(false);
+            continue;
+        }
+        session.published = false;
         if outbox.len() > OUTBOX_HIGH_WATER {
             tokio::select! {
                 _ = outbox.drained.notified() => {}

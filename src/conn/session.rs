@@ -124,6 +124,10 @@ pub struct Session {
     pub(crate) commit_waits: VecDeque<CommitWait>,
     /// Numbers channel generations.
     pub(crate) next_generation: u64,
+    /// A basic.publish arrived since the connection task last looked (disk alarm blocking).
+    pub(crate) published: bool,
+    /// The client understands connection.blocked / unblocked (capability).
+    pub(crate) blocked_capability: bool,
 }
 
 /// Run `f` on the broker core with the lock held, then carry out its effects before releasing
@@ -197,6 +201,8 @@ impl Session {
             },
             commit_waits: VecDeque::new(),
             next_generation: 1,
+            published: false,
+            blocked_capability: false,
         }
     }
 

@@ -171,6 +171,8 @@ impl Session {
 
     /// A complete published message: route it now, or keep it for commit in tx mode.
     pub(crate) fn publish_content(&mut self, ch: u16, content: Content) -> Result<(), AmqpError> {
+        // A whole message arrived: under a disk alarm the connection task stops reading now.
+        self.published = true;
         if let Some(user_id) = content.properties.user_id() {
             if user_id.as_str() != self.user {
                 return Err(AmqpError::precondition_failed(format!(

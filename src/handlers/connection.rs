@@ -137,6 +137,8 @@ impl Session {
     fn start_ok(&mut self, m: connection::StartOk) -> Result<Next, AmqpError> {
         self.auth_failure_close =
             Self::client_capability(&m.client_properties, "authentication_failure_close");
+        self.blocked_capability =
+            Self::client_capability(&m.client_properties, "connection.blocked");
         self.outbox.cancel_notify.store(
             Self::client_capability(&m.client_properties, "consumer_cancel_notify"),
             Ordering::Relaxed,
@@ -243,6 +245,21 @@ impl Session {
         self.outbox
             .method(0, &AMQPClass::Connection(M::OpenOk(connection::OpenOk {})));
         Ok(Next::Continue)
+    }
+
+    /// connection.blocked (low on disk) or connection.unblocked, to clients that take them.
+    pub(crate) fn send_blocked(&mut self, blocked: bool) {
+        if !self.blocked_capability {
+            return;
+        }
+        let m = if blocked {
+            M::Blocked(connection::Blocked {
+                reason: "low on disk".into(),
+            })
+        } else {
+            M::Unblocked(connection::Unblocked {})
+        };
+        self.outbox.method(0, &AMQPClass::Connection(m));
     }
 
     pub(crate) fn send_connection_close_ok(&mut self) {

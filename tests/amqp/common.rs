@@ -245,10 +245,9 @@ impl Raw {
             other => panic!("expected start, got {other:?}"),
         };
         let mut caps = amq_protocol::types::FieldTable::default();
-        caps.insert(
-            "authentication_failure_close".into(),
-            amq_protocol::types::AMQPValue::Boolean(true),
-        );
+        for cap in ["authentication_failure_close", "connection.blocked"] {
+            caps.insert(cap.into(), amq_protocol::types::AMQPValue::Boolean(true));
+        }
         let mut props = amq_protocol::types::FieldTable::default();
         props.insert(
             "capabilities".into(),

@@ -409,3 +409,89 @@ async fn extension_queues_keep_their_behaviour_across_a_restart() {
         .unwrap();
     assert_eq!(next.delivery.data, b"mid");
 }
+
+#[tokio::test]
+async fn low_disk_space_blocks_publishers_until_it_recovers() {
+    use amq_protocol::protocol::{basic, connection, queue, AMQPClass};
+    use std::sync::atomic::Ordering;
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "disk".into(),
+            ..Default::default()
+        })),
+    )
+    .await;
+    raw.recv_method().await.unwrap();
+    // Pretend the disk is nearly full: every byte free is below this limit.
+    server
+        .shared
+        .disk_free_limit
+        .store(u64::MAX, Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !*server.shared.disk_alarm.borrow() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "disk alarm never raised"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let publish = |body: &'static [u8]| {
+        let mut out = warren_protocol::OutBuffer::new();
+        out.method(
+            1,
+            &AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                routing_key: "disk".into(),
+                ..Default::default()
+            })),
+        );
+        out.content(1, &[0, 0], body, 131072);
+        out.as_slice().to_vec()
+    };
+    raw.send_bytes(&publish(b"first")).await;
+    match raw.recv_method().await {
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Blocked(b)))) => {
+            assert_eq!(b.reason.as_str(), "low on disk")
+        }
+        other => panic!("expected connection.blocked, got {other:?}"),
+    }
+    raw.send_bytes(&publish(b"second")).await;
+    // Other clients carry on (declares, gets); the blocked publisher's second message waits.
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let count = |ch: lapin::Channel| async move {
+        ch.queue_declare(
+            "disk".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count()
+    };
+    assert_eq!(count(ch.clone()).await, 1);
+    // Space comes back: unblocked, and the held message goes through.
+    server.shared.disk_free_limit.store(0, Ordering::Relaxed);
+    assert!(matches!(
+        raw.recv_method().await,
+        Some((
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Unblocked(_))
+        ))
+    ));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while count(ch.clone()).await != 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "held publish never arrived"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
