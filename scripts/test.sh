@@ -13,6 +13,7 @@ echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 echo "== cargo test"
 cargo test --workspace
-echo "== compat suites against the warren binary"
+echo "== client library suites against the warren binary"
 cargo build --bin warren
+bash compat/lapin-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"
