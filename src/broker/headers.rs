@@ -45,18 +45,7 @@ pub fn matches(binding_args: &FieldTable, headers: Option<&FieldTable>) -> bool 
 /// Compare header values as RabbitMQ does: numbers of different integer widths compare by value,
 /// strings by bytes (short and long strings alike).
 fn values_equal(a: &AMQPValue, b: &AMQPValue) -> bool {
-    fn as_int(v: &AMQPValue) -> Option<i128> {
-        Some(match v {
-            AMQPValue::ShortShortInt(x) => *x as i128,
-            AMQPValue::ShortShortUInt(x) => *x as i128,
-            AMQPValue::ShortInt(x) => *x as i128,
-            AMQPValue::ShortUInt(x) => *x as i128,
-            AMQPValue::LongInt(x) => *x as i128,
-            AMQPValue::LongUInt(x) => *x as i128,
-            AMQPValue::LongLongInt(x) => *x as i128,
-            _ => return None,
-        })
-    }
+    use super::args::int_value as as_int;
     fn as_bytes(v: &AMQPValue) -> Option<&[u8]> {
         match v {
             AMQPValue::LongString(s) => Some(s.as_bytes()),

@@ -2276,21 +2276,9 @@ impl Broker {
             let Some(q) = self.queues.get(&u.queue) else {
                 continue;
             };
-            if !q.is_stored() {
-                continue;
+            if q.is_stored() {
+                push_removal(&mut self.journal, q, u.qm.id);
             }
-            // Consecutive acks of one queue share one op.
-            if let Some(Op::Remove { vhost, queue, ids }) = self.journal.last_mut() {
-                if *vhost == q.vhost && *queue == q.name {
-                    ids.push(u.qm.id);
-                    continue;
-                }
-            }
-            self.journal.push(Op::Remove {
-                vhost: q.vhost.clone(),
-                queue: q.name.clone(),
-                ids: vec![u.qm.id],
-            });
         }
     }
 
