@@ -348,10 +348,12 @@ impl Session {
         let err = match e {
             FrameError::TooLarge { .. }
             | FrameError::BadFrameEnd { .. }
-            | FrameError::UnknownType { .. }
-            | FrameError::BadHeader { .. } => {
+            | FrameError::UnknownType { .. } => {
                 AmqpError::new(ReplyCode::FrameError, e).on_no_method()
             }
+            // Properties that cannot be decoded (an unknown field type in the headers table):
+            // RabbitMQ only notices on delivery (541); we refuse them on arrival.
+            FrameError::BadHeader { .. } => AmqpError::new(ReplyCode::SyntaxError, e).on(60, 40),
             FrameError::UnknownMethod {
                 class_id,
                 method_id,

@@ -128,6 +128,34 @@ async fn malformed_method_arguments_are_501_naming_the_method() {
 }
 
 #[tokio::test]
+async fn undecodable_message_properties_are_502() {
+    let server = TestServer::start().await;
+    let bystander = Bystander::new(&server).await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish::default())),
+    )
+    .await;
+    // Properties with the headers flag set and a table holding field type 'Z' (no such type).
+    let mut props = vec![0x20, 0x00];
+    let table = [&[1u8, b'k', b'Z'][..], &[0, 0, 0, 0][..]].concat();
+    props.extend_from_slice(&(table.len() as u32).to_be_bytes());
+    props.extend_from_slice(&table);
+    let mut out = OutBuffer::new();
+    out.content(1, &props, b"x", 131072);
+    raw.send_bytes(out.as_slice()).await;
+    let close = expect_hard(&mut raw, 502).await;
+    assert!(
+        close.reply_text.as_str().starts_with("SYNTAX_ERROR"),
+        "{close:?}"
+    );
+    assert_eq!((close.class_id, close.method_id), (60, 40));
+    bystander.still_fine().await;
+}
+
+#[tokio::test]
 async fn unknown_method_is_540() {
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;
