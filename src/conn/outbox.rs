@@ -6,7 +6,7 @@
 //! takes the broker lock only while holding no outbox lock.
 
 use crate::broker::Message;
-use amq_protocol::protocol::{basic, AMQPClass};
+use amq_protocol::protocol::AMQPClass;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use tokio::sync::Notify;
@@ -94,14 +94,18 @@ impl Outbox {
         redelivered: bool,
         msg: &Message,
     ) {
-        let m = AMQPClass::Basic(basic::AMQPMethod::Deliver(basic::Deliver {
-            consumer_tag: consumer_tag.into(),
-            delivery_tag,
-            redelivered,
-            exchange: msg.exchange.clone(),
-            routing_key: msg.routing_key.clone(),
-        }));
-        self.method_with_content(channel, &m, msg);
+        let frame_max = self.frame_max.load(Ordering::Relaxed);
+        self.with(|b| {
+            b.deliver(
+                channel,
+                consumer_tag,
+                delivery_tag,
+                redelivered,
+                msg.exchange.as_str(),
+                msg.routing_key.as_str(),
+            );
+            b.content(channel, &msg.raw_properties, &msg.body, frame_max);
+        });
     }
 
     pub fn heartbeat(&self) {
