@@ -45,7 +45,9 @@ pub struct Stats {
 pub struct Committer {
     /// None once dropping (closing the channel ends the thread).
     tx: Option<mpsc::Sender<Request>>,
-    next_ticket: AtomicU64,
+    /// The highest ticket written (successfully or not): with tickets numbered like the
+    /// broker's journal batches, queues know which staged messages the store has.
+    pub written: Arc<AtomicU64>,
     pub stats: Arc<Stats>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -80,30 +82,33 @@ impl Drop for Committer {
 /// Whether an op must be on disk before its effect is confirmed (acks need not be: losing one
 /// in a crash means a redelivery, which at-least-once allows).
 fn needs_sync(op: &Op) -> bool {
-    !matches!(op, Op::Remove { .. })
+    !matches!(
+        op,
+        Op::Remove { .. } | Op::Spill { .. } | Op::RemoveRange { .. }
+    )
 }
 
 impl Committer {
     pub fn start(store: Arc<dyn Store>) -> Self {
         let (tx, rx) = mpsc::channel::<Request>();
         let stats = Arc::new(Stats::default());
-        let thread_stats = stats.clone();
+        let written = Arc::new(AtomicU64::new(0));
+        let (thread_stats, thread_written) = (stats.clone(), written.clone());
         let thread = std::thread::Builder::new()
             .name("warren-committer".into())
-            .spawn(move || run(store, rx, thread_stats))
+            .spawn(move || run(store, rx, thread_stats, thread_written))
             .expect("spawning the committer thread");
         Committer {
             tx: Some(tx),
-            next_ticket: AtomicU64::new(1),
+            written,
             stats,
             thread: Some(thread),
         }
     }
 
-    /// Queue ops for the store; `notify` hears the outcome under the returned ticket. Requests
-    /// are written in submission order.
-    pub fn submit(&self, ops: Vec<Op>, notify: Option<UnboundedSender<Done>>) -> u64 {
-        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+    /// Queue ops for the store under `ticket` (the broker's journal batch number: tickets
+    /// grow); `notify` hears the outcome. Requests are written in submission order.
+    pub fn submit(&self, ticket: u64, ops: Vec<Op>, notify: Option<UnboundedSender<Done>>) -> u64 {
         let sync = ops.iter().any(needs_sync);
         let Some(tx) = &self.tx else {
             return ticket;
@@ -123,7 +128,12 @@ impl Committer {
     }
 }
 
-fn run(store: Arc<dyn Store>, rx: mpsc::Receiver<Request>, stats: Arc<Stats>) {
+fn run(
+    store: Arc<dyn Store>,
+    rx: mpsc::Receiver<Request>,
+    stats: Arc<Stats>,
+    written: Arc<AtomicU64>,
+) {
     let mut batch: Vec<Request> = Vec::new();
     let mut ops: Vec<Op> = Vec::new();
     while let Ok(first) = rx.recv() {
@@ -160,6 +170,9 @@ fn run(store: Arc<dyn Store>, rx: mpsc::Receiver<Request>, stats: Arc<Stats>) {
             }
         };
         ops.clear();
+        if let Some(last) = batch.iter().map(|r| r.ticket).max() {
+            written.fetch_max(last, Ordering::Release);
+        }
         for r in batch.drain(..) {
             if let Some(n) = r.notify {
                 let _ = n.send(Done {

@@ -62,7 +62,8 @@ impl BrokerGuard<'_> {
         if ops.is_empty() {
             return None;
         }
-        Some(committer.submit(ops, self.notify.clone()))
+        let ticket = self.guard.journal_seq();
+        Some(committer.submit(ticket, ops, self.notify.clone()))
     }
 }
 
@@ -92,29 +93,33 @@ impl Shared {
         let path = config.data_dir.join("store");
         let store = warren_storage::rocks::RocksStore::open(&path)
             .with_context(|| format!("opening the store in {}", path.display()))?;
-        let ops = warren_storage::Store::recover(&store)
+        let recovered = warren_storage::Store::recover(&store)
             .with_context(|| format!("reading the store in {}", path.display()))?;
         let mut broker = Broker::new();
         let mut fx = Vec::new();
-        let (mut messages, mut definitions) = (0usize, 0usize);
-        for op in &ops {
-            match op {
-                warren_storage::Op::Enqueue { .. } => messages += 1,
-                _ => definitions += 1,
-            }
+        for op in &recovered.ops {
             broker
                 .apply(op, &mut fx)
                 .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
         }
+        // Messages stay on disk; queues read them back a window at a time.
+        let messages = broker.restore(&recovered.queues);
         broker.mark_recovered();
         broker.enable_journal();
+        let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
+        let store: Arc<dyn warren_storage::Store> = Arc::new(store);
+        let committer = Committer::start(store.clone());
+        broker.set_pager(crate::broker::queue::Pager {
+            store,
+            written: committer.written.clone(),
+        });
         let limit = config.disk_free_limit;
         Ok(Arc::new(Shared {
             config,
             broker: Mutex::new(broker),
             outboxes: RwLock::new(HashMap::new()),
-            committer: Some(Committer::start(Arc::new(store))),
+            committer: Some(committer),
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
         }))
@@ -254,6 +259,7 @@ pub async fn serve(
                 broker.set_clock(crate::conn::session::now_ms());
                 let mut fx = Vec::new();
                 broker.expire(&mut fx);
+                broker.release_written();
                 if let Some(t) = shared.config.consumer_timeout {
                     broker.enforce_ack_timeout(t.as_millis() as u64, &mut fx);
                 }

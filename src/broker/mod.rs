@@ -199,6 +199,12 @@ pub struct Broker {
     journal_enabled: bool,
     /// Durable changes not yet handed to the store (see `take_journal`).
     journal: Vec<Op>,
+    /// Journal batches taken so far (the one being built is `journal_seq + 1`).
+    journal_seq: u64,
+    /// Where deep queues page to (with a store).
+    pager: Option<Arc<queue::Pager>>,
+    /// Queues holding staged messages (in memory until their store write is done).
+    staging: std::collections::BTreeSet<QueueId>,
     /// Queues whose `dropped` list needs settling (dead-lettering, store removal).
     dirty: Vec<QueueId>,
     /// Queues with x-expires.
@@ -260,20 +266,50 @@ fn random_name(prefix: &str) -> String {
     format!("{prefix}{suffix}")
 }
 
-/// Journal the removal of message `id` from stored queue `q`, merged into the previous op when
-/// that removes from the same queue.
-fn push_removal(journal: &mut Vec<Op>, q: &Queue, id: u64) {
-    if let Some(Op::Remove { vhost, queue, ids }) = journal.last_mut() {
+/// Journal the removal of a message the store holds for queue `q`, merged into the previous op
+/// when that removes from the same queue.
+fn push_removal(journal: &mut Vec<Op>, q: &Queue, qm: &QueuedMessage) {
+    let key = q.store_key(qm);
+    if let Some(Op::Remove { vhost, queue, keys }) = journal.last_mut() {
         if *vhost == q.vhost && *queue == q.name {
-            ids.push(id);
+            keys.push(key);
             return;
         }
     }
     journal.push(Op::Remove {
         vhost: q.vhost.clone(),
         queue: q.name.clone(),
-        ids: vec![id],
+        keys: vec![key],
     });
+}
+
+/// A message rebuilt from what a store keeps.
+pub(crate) fn stored_message(
+    exchange: &str,
+    routing_key: &str,
+    properties: Bytes,
+    body: Bytes,
+) -> Result<Message, AmqpError> {
+    let parsed = amq_protocol::protocol::basic::parse_properties(&properties[..])
+        .map(|(_, p)| p)
+        .map_err(|_| {
+            AmqpError::new(
+                warren_protocol::ReplyCode::InternalError,
+                "bad stored properties",
+            )
+        })?;
+    let expiration = parsed
+        .expiration()
+        .as_ref()
+        .and_then(|e| args::parse_expiration(e.as_str()).ok());
+    Ok(Message {
+        exchange: exchange.into(),
+        routing_key: routing_key.into(),
+        properties: parsed,
+        raw_properties: properties,
+        body,
+        expiration,
+    })
 }
 
 /// The `alternate-exchange` argument of an exchange, if it names one.
@@ -341,6 +377,9 @@ impl Broker {
             expiring: Default::default(),
             journal_enabled: false,
             journal: Vec::new(),
+            journal_seq: 0,
+            pager: None,
+            staging: Default::default(),
             dirty: Vec::new(),
             expirable: Default::default(),
             reply_to: HashMap::new(),
@@ -397,12 +436,73 @@ impl Broker {
         self.journal_enabled = true;
     }
 
-    /// The durable changes made since the last call, in the order they were made.
+    /// The durable changes made since the last call, in the order they were made. Each
+    /// non-empty batch gets the next number ([`Broker::journal_seq`]); the committer reports
+    /// the batches it has written by that number (`Pager::written`).
     pub fn take_journal(&mut self) -> Vec<Op> {
-        if !self.journal_enabled {
+        if !self.journal_enabled || self.journal.is_empty() {
             return Vec::new();
         }
+        self.journal_seq += 1;
         std::mem::take(&mut self.journal)
+    }
+
+    /// The number of the last batch `take_journal` returned.
+    pub fn journal_seq(&self) -> u64 {
+        self.journal_seq
+    }
+
+    /// Let deep queues keep their backlog on disk (see `queue::WINDOW_MESSAGES`).
+    pub fn set_pager(&mut self, pager: queue::Pager) {
+        let pager = Arc::new(pager);
+        for q in self.queues.values_mut() {
+            q.pager = Some(pager.clone());
+        }
+        self.pager = Some(pager);
+    }
+
+    /// Recovery: what each stored queue holds on disk (read back as consumers need it).
+    /// Returns how many messages that is.
+    pub fn restore(&mut self, queues: &[warren_storage::QueueSummary]) -> usize {
+        let mut total = 0;
+        let last = queues
+            .iter()
+            .flat_map(|q| q.levels.iter())
+            .map(|l| warren_storage::key_id(l.last))
+            .max()
+            .unwrap_or(0);
+        self.next_message_id = self.next_message_id.max(last + 1);
+        for s in queues {
+            let Some(id) = self
+                .vhosts
+                .get(&s.vhost)
+                .and_then(|v| v.queues.get(&s.name))
+                .copied()
+            else {
+                continue;
+            };
+            if let Some(q) = self.queues.get_mut(&id) {
+                q.restore(&s.levels, last);
+                total += q.message_count();
+                if q.has_expiring() {
+                    self.expiring.insert(id);
+                }
+            }
+        }
+        total
+    }
+
+    /// Let go of staged messages the store has written (the server calls this on a timer, so
+    /// a queue nobody touches does not keep them).
+    pub fn release_written(&mut self) {
+        let queues = &mut self.queues;
+        self.staging
+            .retain(|id| queues.get_mut(id).is_some_and(|q| q.release_all_written()));
+    }
+
+    /// Ready messages held in memory, across all queues (for tests and reports).
+    pub fn messages_in_memory(&self) -> usize {
+        self.queues.values().map(|q| q.in_memory()).sum()
     }
 
     /// Whether an op changes durable state (checked against the state before it is applied).
@@ -447,7 +547,9 @@ impl Broker {
                         BindingDest::Exchange(x) => exchange_durable(vhost, x),
                     }
             }
-            Op::Enqueue { .. } | Op::Remove { .. } => true,
+            Op::Enqueue { .. } | Op::Remove { .. } | Op::Spill { .. } | Op::RemoveRange { .. } => {
+                true
+            }
         }
     }
 
@@ -502,7 +604,8 @@ impl Broker {
             .collect();
         for id in unused {
             if let Some(q) = self.queues.get_mut(&id) {
-                q.purge();
+                // The queue's storage goes with it (DeleteQueue), unacked ones included.
+                let _ = q.purge();
             }
             self.delete_queue_by_id(id, fx);
         }
@@ -584,11 +687,9 @@ impl Broker {
                     continue;
                 };
                 let dropped = std::mem::take(&mut q.dropped);
-                if self.journal_enabled && q.is_stored() {
-                    for (m, _) in &dropped {
-                        if m.msg.persistent() {
-                            push_removal(&mut self.journal, q, m.id);
-                        }
+                if self.journal_enabled {
+                    for (m, _) in dropped.iter().filter(|(m, _)| m.stored) {
+                        push_removal(&mut self.journal, q, m);
                     }
                 }
                 for (m, reason) in dropped {
@@ -790,7 +891,12 @@ impl Broker {
     pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
         if !matches!(
             op,
-            Op::Enqueue { .. } | Op::Remove { .. } | Op::DeleteQueue { .. } | Op::Purge { .. }
+            Op::Enqueue { .. }
+                | Op::Remove { .. }
+                | Op::DeleteQueue { .. }
+                | Op::Purge { .. }
+                | Op::Spill { .. }
+                | Op::RemoveRange { .. }
         ) {
             self.record(op);
         }
@@ -843,17 +949,16 @@ impl Broker {
                 if !v.queues.contains_key(name) {
                     v.queues.insert(name.clone(), id);
                     self.next_queue_id += 1;
-                    self.queues.insert(
-                        id,
-                        Queue::new(
-                            name.clone(),
-                            vhost.clone(),
-                            *durable,
-                            *exclusive,
-                            *auto_delete,
-                            arguments,
-                        ),
+                    let mut q = Queue::new(
+                        name.clone(),
+                        vhost.clone(),
+                        *durable,
+                        *exclusive,
+                        *auto_delete,
+                        arguments,
                     );
+                    q.pager = self.pager.clone();
+                    self.queues.insert(id, q);
                 }
             }
             Op::DeleteQueue { vhost, name } => {
@@ -911,54 +1016,39 @@ impl Broker {
                 properties,
                 body,
             } => {
-                let parsed = amq_protocol::protocol::basic::parse_properties(&properties[..])
-                    .map(|(_, p)| p)
-                    .map_err(|_| {
-                        AmqpError::new(
-                            warren_protocol::ReplyCode::InternalError,
-                            "bad stored properties",
-                        )
-                    })?;
-                let expiration = parsed
-                    .expiration()
-                    .as_ref()
-                    .and_then(|e| args::parse_expiration(e.as_str()).ok());
-                let msg = Arc::new(Message {
-                    exchange: exchange.as_str().into(),
-                    routing_key: routing_key.as_str().into(),
-                    properties: parsed,
-                    raw_properties: properties.clone(),
-                    body: body.clone(),
-                    expiration,
-                });
+                let msg = Arc::new(stored_message(
+                    exchange,
+                    routing_key,
+                    properties.clone(),
+                    body.clone(),
+                )?);
                 let v = self.vhost(vhost)?;
                 let ids: Vec<QueueId> = queues
                     .iter()
-                    .filter_map(|n| v.queues.get(n).copied())
+                    .filter_map(|(n, _)| v.queues.get(n).copied())
                     .collect();
                 self.next_message_id = self.next_message_id.max(id + 1);
                 self.enqueue(&ids, *id, *timestamp_ms, msg, fx);
             }
-            Op::Remove { vhost, queue, ids } => {
+            Op::Remove { vhost, queue, keys } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
                     if let Some(q) = self.queues.get_mut(&qid) {
-                        // Recovery path: drop these ids from the ready list.
-                        let keep: Vec<QueuedMessage> = std::iter::from_fn(|| q.pop())
-                            .filter(|m| !ids.contains(&m.id))
-                            .collect();
-                        for m in keep {
-                            q.push(m);
-                        }
+                        // Replayed ops: drop these ids from the ready list.
+                        let ids: Vec<u64> =
+                            keys.iter().map(|k| warren_storage::key_id(*k)).collect();
+                        q.remove_ready(&ids);
                     }
                 }
             }
             Op::Purge { vhost, queue } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
                     if let Some(q) = self.queues.get_mut(&qid) {
-                        q.purge();
+                        let _ = q.purge();
                     }
                 }
             }
+            // Paging is local to a broker: nothing to replay.
+            Op::Spill { .. } | Op::RemoveRange { .. } => {}
         }
         Ok(())
     }
@@ -1378,28 +1468,35 @@ impl Broker {
         fx: &mut Vec<Effect>,
     ) -> Result<u32, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
-        let count = self.queues[&id].message_count() as u32;
-        if self.journal_enabled {
-            let q = &self.queues[&id];
-            if q.is_stored() {
-                let ids: Vec<u64> = q.ready_persistent_ids().collect();
-                if !ids.is_empty() {
+        let _ = fx;
+        let Some(q) = self.queues.get_mut(&id) else {
+            return Ok(0);
+        };
+        let (count, keys, ranges) = q.purge();
+        if self.journal_enabled && q.has_storage() {
+            let (vhost, queue) = (q.vhost.clone(), q.name.clone());
+            if q.unacked == 0 {
+                // Nothing delivered is waiting for an ack: the whole keyspace goes.
+                self.journal.push(Op::Purge { vhost, queue });
+            } else {
+                if !keys.is_empty() {
                     self.journal.push(Op::Remove {
-                        vhost: vhost.to_string(),
-                        queue: queue.to_string(),
-                        ids,
+                        vhost: vhost.clone(),
+                        queue: queue.clone(),
+                        keys,
+                    });
+                }
+                for (from, to) in ranges {
+                    self.journal.push(Op::RemoveRange {
+                        vhost: vhost.clone(),
+                        queue: queue.clone(),
+                        from,
+                        to,
                     });
                 }
             }
         }
-        self.apply(
-            &Op::Purge {
-                vhost: vhost.to_string(),
-                queue: queue.to_string(),
-            },
-            fx,
-        )?;
-        Ok(count)
+        Ok(count as u32)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1447,7 +1544,7 @@ impl Broker {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
-        if q.is_stored() && self.journal_enabled {
+        if q.has_storage() && self.journal_enabled {
             self.journal.push(Op::DeleteQueue {
                 vhost: q.vhost.clone(),
                 name: q.name.clone(),
@@ -1586,6 +1683,7 @@ impl Broker {
                             redelivered: false,
                             expires_at: None,
                             returns: 0,
+                            stored: false,
                         },
                         DropReason::MaxLen,
                     ));
@@ -1597,11 +1695,11 @@ impl Broker {
         }
         let targets = &accepted[..];
         if self.journal_enabled && msg.persistent() {
-            let stored: Vec<String> = targets
+            let stored: Vec<(String, u8)> = targets
                 .iter()
                 .filter_map(|t| self.queues.get(t))
                 .filter(|q| q.is_stored())
-                .map(|q| q.name.clone())
+                .map(|q| (q.name.clone(), q.level(&msg) as u8))
                 .collect();
             if !stored.is_empty() {
                 self.journal.push(Op::Enqueue {
@@ -1746,13 +1844,34 @@ impl Broker {
                 (a, b) => a.or(b),
             };
             let expires_at = ttl.map(|t| at.saturating_add(t));
-            q.push(QueuedMessage {
+            let stored = self.journal_enabled && q.is_stored() && msg.persistent();
+            let qm = QueuedMessage {
                 id,
                 msg: msg.clone(),
                 redelivered: false,
                 expires_at,
                 returns: 0,
-            });
+                stored,
+            };
+            let key = q.store_key(&qm);
+            let staged = q.push(qm, self.journal_seq + 1);
+            if staged {
+                self.staging.insert(*qid);
+            }
+            if staged && !stored {
+                // Past the window: the store keeps it until the queue drains to it.
+                q.spilled = true;
+                self.journal.push(Op::Spill {
+                    vhost: q.vhost.clone(),
+                    queue: q.name.clone(),
+                    key,
+                    timestamp_ms: at,
+                    exchange: msg.exchange.as_str().to_string(),
+                    routing_key: msg.routing_key.as_str().to_string(),
+                    properties: msg.raw_properties.clone(),
+                    body: msg.body.clone(),
+                });
+            }
             if expires_at.is_some() {
                 self.expiring.insert(*qid);
             }
@@ -2109,8 +2228,8 @@ impl Broker {
             let msg = q.outgoing(&qm);
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
-                if *journal_enabled && q.is_stored() && msg.persistent() {
-                    push_removal(journal, q, qm.id);
+                if *journal_enabled && qm.stored {
+                    push_removal(journal, q, &qm);
                 }
             } else {
                 c.unacked += 1;
@@ -2180,8 +2299,8 @@ impl Broker {
             message_count: q.message_count() as u32,
         };
         if no_ack {
-            if *journal_enabled && q.is_stored() && qm.msg.persistent() {
-                push_removal(journal, q, qm.id);
+            if *journal_enabled && qm.stored {
+                push_removal(journal, q, &qm);
             }
         } else {
             q.unacked += 1;
@@ -2270,14 +2389,11 @@ impl Broker {
             return;
         }
         for u in settled {
-            if !u.qm.msg.persistent() {
+            if !u.qm.stored {
                 continue;
             }
-            let Some(q) = self.queues.get(&u.queue) else {
-                continue;
-            };
-            if q.is_stored() {
-                push_removal(&mut self.journal, q, u.qm.id);
+            if let Some(q) = self.queues.get(&u.queue) {
+                push_removal(&mut self.journal, q, &u.qm);
             }
         }
     }

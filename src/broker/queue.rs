@@ -3,7 +3,57 @@
 use super::{args, ConnId, Message};
 use amq_protocol::types::FieldTable;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use warren_storage::{message_key, LevelSummary, Store};
+
+/// How much of a queue stays in memory: past this many ready messages (or bytes of bodies),
+/// newly arriving messages wait on disk and are read back in order, a batch at a time, as the
+/// head drains. This bounds the heap of a deep queue (issue 3 point 4).
+pub const WINDOW_MESSAGES: usize = 1024;
+pub const WINDOW_BYTES: u64 = 2 * 1024 * 1024;
+/// One read from the store brings back at most this much.
+const READ_MESSAGES: usize = 512;
+const READ_BYTES: usize = 1024 * 1024;
+
+/// Where queues page to: the store, and how far the committer has written the journal.
+pub struct Pager {
+    pub store: Arc<dyn Store>,
+    /// The last journal batch (`Broker::journal_seq`) the committer has written.
+    pub written: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pager")
+            .field("written", &self.written)
+            .finish()
+    }
+}
+
+/// One priority level of a queue. Its messages, in id order, are: `mem` (the head, in memory),
+/// then `disk_count` messages on disk with ids `disk_first..=disk_last` (only in the store),
+/// then `staged` (in memory until the journal batch that writes them to the store is written).
+#[derive(Debug, Default)]
+struct Level {
+    mem: VecDeque<QueuedMessage>,
+    disk_count: u64,
+    disk_bytes: u64,
+    disk_first: u64,
+    disk_last: u64,
+    /// (journal batch, message).
+    staged: VecDeque<(u64, QueuedMessage)>,
+}
+
+impl Level {
+    fn paged(&self) -> bool {
+        self.disk_count > 0 || !self.staged.is_empty()
+    }
+
+    fn len(&self) -> usize {
+        self.mem.len() + self.disk_count as usize + self.staged.len()
+    }
+}
 
 /// A message waiting in (or delivered from) a queue.
 #[derive(Debug, Clone)]
@@ -19,6 +69,9 @@ pub struct QueuedMessage {
     pub expires_at: Option<u64>,
     /// How often it came back unacknowledged (quorum queues' x-delivery-count).
     pub returns: u32,
+    /// The store holds it for this queue (a persistent message in a stored queue, or a spilled
+    /// one): taking it out must be journaled.
+    pub stored: bool,
 }
 
 /// Why a message left a queue without being acknowledged (x-death's `reason`).
@@ -92,10 +145,24 @@ pub struct Queue {
     /// x-queue-type quorum: deliveries carry x-delivery-count, x-delivery-limit applies.
     pub quorum: bool,
     pub delivery_limit: Option<u64>,
-    /// Ready messages, one deque per priority level (one level without x-max-priority).
-    levels: Vec<VecDeque<QueuedMessage>>,
+    /// Ready messages, per priority level (one level without x-max-priority).
+    levels: Vec<Level>,
     count: usize,
     ready_bytes: u64,
+    /// Ready messages in memory (all levels' `mem` and `staged`) and their body bytes.
+    mem_count: usize,
+    mem_bytes: u64,
+    /// Paging: with a pager, a deep queue keeps only a window in memory.
+    pub pager: Option<Arc<Pager>>,
+    /// The store holds spilled messages of this queue (it has storage even if not durable).
+    pub spilled: bool,
+    /// Messages on disk may carry an expiry (so the expiry tick keeps visiting the queue).
+    disk_may_expire: bool,
+    /// Messages read back with an id up to this were recovered from a previous run: they may
+    /// have been delivered before, so they go out redelivered.
+    redeliver_upto: u64,
+    /// Messages read back but unreadable or missing (a failed write): reported once.
+    pub lost: u64,
     /// Consumers in subscription order; `next` is where the round-robin resumes.
     pub consumers: Vec<QueueConsumer>,
     pub next: usize,
@@ -146,9 +213,16 @@ impl Queue {
             quorum: args::string(&arguments, "x-queue-type").as_deref() == Some("quorum"),
             delivery_limit: args::uint(&arguments, "x-delivery-limit"),
             arguments,
-            levels: (0..=max_priority).map(|_| VecDeque::new()).collect(),
+            levels: (0..=max_priority).map(|_| Level::default()).collect(),
             count: 0,
             ready_bytes: 0,
+            mem_count: 0,
+            mem_bytes: 0,
+            pager: None,
+            spilled: false,
+            disk_may_expire: false,
+            redeliver_upto: 0,
+            lost: 0,
             consumers: Vec::new(),
             next: 0,
             exclusive_consumer: None,
@@ -176,9 +250,24 @@ impl Queue {
     }
 
     /// Priority level of a message (above the maximum counts as the maximum).
-    fn level(&self, m: &Message) -> usize {
+    pub fn level(&self, m: &Message) -> usize {
         let p = m.properties.priority().unwrap_or(0) as usize;
         p.min(self.levels.len() - 1)
+    }
+
+    /// The key of a message of this queue in the store.
+    pub fn store_key(&self, qm: &QueuedMessage) -> u64 {
+        message_key(self.level(&qm.msg) as u8, qm.id)
+    }
+
+    /// Messages in memory (ready ones; delivered ones are held by their channels).
+    pub fn in_memory(&self) -> usize {
+        self.mem_count
+    }
+
+    /// Whether the store holds anything for this queue.
+    pub fn has_storage(&self) -> bool {
+        self.is_stored() || self.spilled
     }
 
     /// Whether one more message of `size` body bytes would pass a limit.
@@ -195,11 +284,29 @@ impl Queue {
             || self.max_length_bytes.is_some_and(|m| self.ready_bytes > m)
     }
 
-    pub fn push(&mut self, qm: QueuedMessage) {
-        self.ready_bytes += qm.msg.body.len() as u64;
+    /// Add a newly arrived message. Past the window (or behind messages already on disk) it is
+    /// staged: it stays in memory only until journal batch `batch` is written, which must store
+    /// it (the caller journals a spill for a message not already stored). Returns whether it
+    /// was staged.
+    pub fn push(&mut self, mut qm: QueuedMessage, batch: u64) -> bool {
+        let size = qm.msg.body.len() as u64;
+        self.ready_bytes += size;
         self.count += 1;
         let level = self.level(&qm.msg);
+        let stage = self.pager.is_some()
+            && (self.levels[level].paged()
+                || self.mem_count >= WINDOW_MESSAGES
+                || self.mem_bytes + size > WINDOW_BYTES);
+        self.mem_count += 1;
+        self.mem_bytes += size;
         let l = &mut self.levels[level];
+        if stage {
+            qm.stored = true;
+            l.staged.push_back((batch, qm));
+            self.release_written(level);
+            return true;
+        }
+        let l = &mut l.mem;
         match l.back() {
             Some(last) if last.id > qm.id => {
                 let pos = l.partition_point(|m| m.id < qm.id);
@@ -207,6 +314,137 @@ impl Queue {
             }
             _ => l.push_back(qm),
         }
+        false
+    }
+
+    /// Drop from memory every staged message the store has now; returns whether some are
+    /// still waiting for their write.
+    pub fn release_all_written(&mut self) -> bool {
+        for level in 0..self.levels.len() {
+            self.release_written(level);
+        }
+        self.levels.iter().any(|l| !l.staged.is_empty())
+    }
+
+    /// Staged messages whose journal batch is written are on disk: drop them from memory.
+    fn release_written(&mut self, level: usize) {
+        let Some(pager) = &self.pager else {
+            return;
+        };
+        let written = pager.written.load(Ordering::Acquire);
+        let l = &mut self.levels[level];
+        while l.staged.front().is_some_and(|(b, _)| *b <= written) {
+            let Some((_, qm)) = l.staged.pop_front() else {
+                break;
+            };
+            let size = qm.msg.body.len() as u64;
+            if l.disk_count == 0 {
+                l.disk_first = qm.id;
+            }
+            l.disk_count += 1;
+            l.disk_bytes += size;
+            l.disk_last = qm.id;
+            self.disk_may_expire |= qm.expires_at.is_some();
+            self.mem_count -= 1;
+            self.mem_bytes -= size;
+        }
+    }
+
+    /// Bring the next messages of a level into memory: from disk, or (nothing on disk) the
+    /// staged ones. Called when the level's in-memory head is empty.
+    fn refill(&mut self, level: usize) {
+        self.release_written(level);
+        let l = &mut self.levels[level];
+        if l.disk_count == 0 {
+            // Staged but not yet written: they are in memory already, and next in line.
+            while let Some((_, qm)) = l.staged.pop_front() {
+                l.mem.push_back(qm);
+            }
+            return;
+        }
+        let Some(pager) = self.pager.clone() else {
+            return;
+        };
+        let (from, to) = (
+            message_key(level as u8, l.disk_first),
+            message_key(level as u8, l.disk_last),
+        );
+        let want = (l.disk_count as usize).min(READ_MESSAGES);
+        let read = match pager
+            .store
+            .read(&self.vhost, &self.name, from, to, want, READ_BYTES)
+        {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::error!(queue = %self.name, error = %e, "reading a queue back from the store failed");
+                return;
+            }
+        };
+        if read.is_empty() {
+            // The store does not have what the queue counted (a write failed): forget it.
+            let l = &mut self.levels[level];
+            tracing::error!(queue = %self.name, missing = l.disk_count, "messages missing from the store");
+            self.lost += l.disk_count;
+            self.count -= l.disk_count as usize;
+            self.ready_bytes -= l.disk_bytes;
+            l.disk_count = 0;
+            l.disk_bytes = 0;
+            return self.refill(level);
+        }
+        for m in read {
+            let id = warren_storage::key_id(m.key);
+            let size = m.body.len() as u64;
+            let l = &mut self.levels[level];
+            l.disk_count = l.disk_count.saturating_sub(1);
+            l.disk_bytes = l.disk_bytes.saturating_sub(size);
+            l.disk_first = id + 1;
+            let msg = match super::stored_message(&m.exchange, &m.routing_key, m.properties, m.body)
+            {
+                Ok(msg) => msg,
+                Err(_) => {
+                    tracing::error!(queue = %self.name, id, "unreadable stored message");
+                    self.lost += 1;
+                    self.count -= 1;
+                    self.ready_bytes -= size;
+                    continue;
+                }
+            };
+            let ttl = match (self.message_ttl, msg.expiration) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            self.mem_count += 1;
+            self.mem_bytes += size;
+            self.levels[level].mem.push_back(QueuedMessage {
+                id,
+                msg: Arc::new(msg),
+                redelivered: id <= self.redeliver_upto,
+                expires_at: ttl.map(|t| m.timestamp_ms.saturating_add(t)),
+                returns: 0,
+                stored: true,
+            });
+        }
+        let l = &mut self.levels[level];
+        if l.disk_count == 0 {
+            l.disk_bytes = 0;
+        }
+    }
+
+    /// What recovery found on disk for this queue: it stays there until read back. Ids up to
+    /// `redeliver_upto` go out redelivered.
+    pub fn restore(&mut self, levels: &[LevelSummary], redeliver_upto: u64) {
+        for s in levels {
+            let level = (s.level as usize).min(self.levels.len() - 1);
+            let l = &mut self.levels[level];
+            l.disk_count += s.count;
+            l.disk_bytes += s.bytes;
+            l.disk_first = warren_storage::key_id(s.first);
+            l.disk_last = warren_storage::key_id(s.last);
+            self.count += s.count as usize;
+            self.ready_bytes += s.bytes;
+        }
+        self.disk_may_expire = self.count > 0;
+        self.redeliver_upto = redeliver_upto;
     }
 
     /// Put a message back at its original place (by id, within its priority). In a quorum queue
@@ -226,8 +464,11 @@ impl Queue {
         }
         self.ready_bytes += qm.msg.body.len() as u64;
         self.count += 1;
+        self.mem_count += 1;
+        self.mem_bytes += qm.msg.body.len() as u64;
         let level = self.level(&qm.msg);
-        let l = &mut self.levels[level];
+        // Its id is below anything on disk or staged (it came from the head).
+        let l = &mut self.levels[level].mem;
         match l.front() {
             Some(first) if first.id < qm.id => {
                 let pos = l.partition_point(|m| m.id < qm.id);
@@ -268,10 +509,42 @@ impl Queue {
 
     /// The next message to deliver: highest priority first.
     pub fn pop(&mut self) -> Option<QueuedMessage> {
-        let qm = self.levels.iter_mut().rev().find_map(|l| l.pop_front())?;
-        self.count -= 1;
-        self.ready_bytes -= qm.msg.body.len() as u64;
+        let level = (0..self.levels.len())
+            .rev()
+            .find(|&l| self.levels[l].len() > 0)?;
+        if self.levels[level].mem.is_empty() {
+            self.refill(level);
+        }
+        let qm = self.levels[level].mem.pop_front()?;
+        self.taken(&qm);
         Some(qm)
+    }
+
+    /// Account for a ready in-memory message that left.
+    fn taken(&mut self, qm: &QueuedMessage) {
+        let size = qm.msg.body.len() as u64;
+        self.count -= 1;
+        self.ready_bytes -= size;
+        self.mem_count -= 1;
+        self.mem_bytes -= size;
+    }
+
+    /// Take out ready in-memory messages by id (ops replayed from elsewhere; live removals
+    /// are of delivered messages, which are not here).
+    pub fn remove_ready(&mut self, ids: &[u64]) {
+        let mut gone = Vec::new();
+        for l in self.levels.iter_mut() {
+            l.mem.retain(|m| {
+                let keep = !ids.contains(&m.id);
+                if !keep {
+                    gone.push(m.clone());
+                }
+                keep
+            });
+        }
+        for m in gone {
+            self.taken(&m);
+        }
     }
 
     /// Drop expired messages from the head of each priority level (RabbitMQ expires at the head
@@ -280,12 +553,17 @@ impl Queue {
     pub fn drop_expired(&mut self, now: u64) -> usize {
         let mut n = 0;
         for level in (0..self.levels.len()).rev() {
-            while let Some(head) = self.levels[level].front() {
-                match head.expires_at {
-                    Some(at) if at <= now => {
-                        if let Some(m) = self.levels[level].pop_front() {
-                            self.count -= 1;
-                            self.ready_bytes -= m.msg.body.len() as u64;
+            loop {
+                if self.levels[level].mem.is_empty() {
+                    if !self.levels[level].paged() || !self.disk_may_expire {
+                        break;
+                    }
+                    self.refill(level);
+                }
+                match self.levels[level].mem.front().map(|h| h.expires_at) {
+                    Some(Some(at)) if at <= now => {
+                        if let Some(m) = self.levels[level].mem.pop_front() {
+                            self.taken(&m);
                             self.dropped.push((m, DropReason::Expired));
                         }
                         n += 1;
@@ -314,37 +592,54 @@ impl Queue {
 
     /// Whether any ready message carries an expiry (the broker's expiry tick visits this queue).
     pub fn has_expiring(&self) -> bool {
-        self.levels
-            .iter()
-            .any(|l| l.iter().any(|m| m.expires_at.is_some()))
+        self.levels.iter().any(|l| {
+            l.mem.iter().any(|m| m.expires_at.is_some())
+                || l.staged.iter().any(|(_, m)| m.expires_at.is_some())
+                || (self.disk_may_expire && l.disk_count > 0)
+        })
     }
 
     pub fn mark_all_redelivered(&mut self) {
         for l in self.levels.iter_mut() {
-            for m in l.iter_mut() {
+            for m in l.mem.iter_mut() {
+                m.redelivered = true;
+            }
+            for (_, m) in l.staged.iter_mut() {
                 m.redelivered = true;
             }
         }
     }
 
-    /// Drop every ready message; returns how many.
-    pub fn purge(&mut self) -> usize {
+    /// Drop every ready message; returns how many, and the store keys of the dropped ones the
+    /// store holds: in-memory ones one by one, and per level the range from the first on disk
+    /// or staged onwards (`(from, to)` keys).
+    pub fn purge(&mut self) -> (usize, Vec<u64>, Vec<(u64, u64)>) {
         let n = self.count;
-        for l in self.levels.iter_mut() {
-            l.clear();
+        let mut keys = Vec::new();
+        let mut ranges = Vec::new();
+        for level in 0..self.levels.len() {
+            let l = &self.levels[level];
+            for m in l.mem.iter().filter(|m| m.stored) {
+                keys.push(message_key(level as u8, m.id));
+            }
+            let first = if l.disk_count > 0 {
+                Some(l.disk_first)
+            } else {
+                l.staged.front().map(|(_, m)| m.id)
+            };
+            if let Some(first) = first {
+                ranges.push((
+                    message_key(level as u8, first),
+                    message_key(level as u8, (1 << warren_storage::ID_BITS) - 1),
+                ));
+            }
+            self.levels[level] = Level::default();
         }
         self.count = 0;
         self.ready_bytes = 0;
-        n
-    }
-
-    /// Ids of the ready persistent messages (those a store holds for a stored queue).
-    pub fn ready_persistent_ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.levels
-            .iter()
-            .flat_map(|l| l.iter())
-            .filter(|m| m.msg.persistent())
-            .map(|m| m.id)
+        self.mem_count = 0;
+        self.mem_bytes = 0;
+        (n, keys, ranges)
     }
 
     pub fn remove_consumer(&mut self, key: &ConsumerKey) -> bool {

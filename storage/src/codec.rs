@@ -199,15 +199,55 @@ pub struct MessageRecord {
     pub body: Bytes,
 }
 
+/// How a message sits in a queue's keyspace: the first byte of its value says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MessageEntry {
+    /// A persistent message, whole (version byte 1).
+    Whole(MessageRecord),
+    /// A persistent message whose body is stored once for several queues, under its id in the
+    /// shared keyspace (tag 2, nothing else).
+    Shared,
+    /// A transient message spilled out of memory (tag 3, then the layout of version 1): gone
+    /// after a restart.
+    Spilled(MessageRecord),
+}
+
+pub const SHARED_TAG: u8 = 2;
+pub const SPILLED_TAG: u8 = 3;
+
+impl MessageEntry {
+    pub fn decode(b: Bytes) -> Result<Self, DecodeError> {
+        match b.first() {
+            Some(&VERSION) => Ok(MessageEntry::Whole(MessageRecord::decode(b)?)),
+            Some(&SHARED_TAG) if b.len() == 1 => Ok(MessageEntry::Shared),
+            Some(&SPILLED_TAG) => {
+                let mut b = b;
+                b.advance(1);
+                Ok(MessageEntry::Spilled(MessageRecord::decode_fields(b)?))
+            }
+            _ => Err(DecodeError("unknown message entry")),
+        }
+    }
+}
+
 impl MessageRecord {
+    /// A spilled transient message (see [`MessageEntry::Spilled`]).
+    pub fn encode_spilled(&self) -> Bytes {
+        self.encode_tagged(SPILLED_TAG)
+    }
+
     pub fn encode(&self) -> Bytes {
+        self.encode_tagged(VERSION)
+    }
+
+    fn encode_tagged(&self, tag: u8) -> Bytes {
         let mut b = BytesMut::with_capacity(
             32 + self.exchange.len()
                 + self.routing_key.len()
                 + self.properties.len()
                 + self.body.len(),
         );
-        b.put_u8(VERSION);
+        b.put_u8(tag);
         b.put_u64(self.timestamp_ms);
         put_str(&mut b, self.exchange.as_bytes());
         put_str(&mut b, self.routing_key.as_bytes());
@@ -218,6 +258,10 @@ impl MessageRecord {
 
     pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
         check_version(&mut b)?;
+        Self::decode_fields(b)
+    }
+
+    fn decode_fields(mut b: Bytes) -> Result<Self, DecodeError> {
         if b.remaining() < 8 {
             return Err(DecodeError("truncated timestamp"));
         }
@@ -279,5 +323,22 @@ mod tests {
             Ok((QUEUE_PREFIX, "/".into(), "q".into()))
         );
         assert!(MessageRecord::decode(Bytes::from_static(&[9])).is_err());
+        let m = MessageRecord {
+            timestamp_ms: 7,
+            exchange: "".into(),
+            routing_key: "q".into(),
+            properties: Bytes::new(),
+            body: Bytes::from_static(b"b"),
+        };
+        assert_eq!(m.encode_spilled()[0], 3);
+        assert_eq!(
+            MessageEntry::decode(m.encode_spilled()),
+            Ok(MessageEntry::Spilled(m.clone()))
+        );
+        assert_eq!(MessageEntry::decode(m.encode()), Ok(MessageEntry::Whole(m)));
+        assert_eq!(
+            MessageEntry::decode(Bytes::from_static(&[2])),
+            Ok(MessageEntry::Shared)
+        );
     }
 }

@@ -34,15 +34,86 @@ pub enum StoreError {
     Io(String),
 }
 
-/// Durable state. Implementations must make `write` atomic: after a crash either all of a
-/// call's ops are there or none.
+/// Bits of a message key that hold the message id; the byte above holds the priority level.
+pub const ID_BITS: u32 = 56;
+
+/// A message's key within its queue: priority level in the top byte, then the broker-wide id,
+/// so a queue's keys sort by level, then id (delivery order within a level).
+pub fn message_key(level: u8, id: u64) -> u64 {
+    (level as u64) << ID_BITS | (id & ((1 << ID_BITS) - 1))
+}
+
+/// The id in a message key.
+pub fn key_id(key: u64) -> u64 {
+    key & ((1 << ID_BITS) - 1)
+}
+
+/// The priority level in a message key.
+pub fn key_level(key: u64) -> u8 {
+    (key >> ID_BITS) as u8
+}
+
+/// One message read back from a queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMessage {
+    pub key: u64,
+    pub timestamp_ms: u64,
+    pub exchange: String,
+    pub routing_key: String,
+    pub properties: bytes::Bytes,
+    pub body: bytes::Bytes,
+}
+
+/// What a queue holds on disk at one priority level: `count` messages with keys from `first`
+/// to `last`, `bytes` of bodies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LevelSummary {
+    pub level: u8,
+    pub count: u64,
+    pub bytes: u64,
+    pub first: u64,
+    pub last: u64,
+}
+
+/// A stored queue's messages, summed up (recovery reads them back later, a window at a time).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueSummary {
+    pub vhost: String,
+    pub name: String,
+    pub levels: Vec<LevelSummary>,
+}
+
+/// What a store holds at start-up.
+#[derive(Debug, Clone, Default)]
+pub struct Recovered {
+    /// Definitions: exchanges, queues, then bindings.
+    pub ops: Vec<Op>,
+    /// Every stored queue's messages (transient spills of the previous run are gone).
+    pub queues: Vec<QueueSummary>,
+}
+
+/// Durable state. A call's ops are applied in order; after a crash every op is either there or
+/// not (ops are not split), and a synced call is there whole.
 pub trait Store: Send + Sync {
     /// Apply `ops` in order. With `sync`, return only once they are on stable storage (fsync).
+    /// [`Op::Spill`] is written without the write-ahead log.
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError>;
 
-    /// The ops that rebuild the stored state: exchanges, queues, bindings, then each queue's
-    /// messages in id order (one `Enqueue` per stored queue entry).
-    fn recover(&self) -> Result<Vec<Op>, StoreError>;
+    /// The stored definitions and a summary of each queue's messages. Transient messages
+    /// spilled by the previous run are deleted.
+    fn recover(&self) -> Result<Recovered, StoreError>;
+
+    /// Messages of a queue with keys from `from` to `to` (inclusive), in key order: at most
+    /// `max_count`, and stopping once `max_bytes` of bodies were read (at least one).
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError>;
 }
 
 impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
@@ -50,8 +121,20 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
         (**self).write(ops, sync)
     }
 
-    fn recover(&self) -> Result<Vec<Op>, StoreError> {
+    fn recover(&self) -> Result<Recovered, StoreError> {
         (**self).recover()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        (**self).read(vhost, queue, from, to, max_count, max_bytes)
     }
 }
 
@@ -60,7 +143,19 @@ impl<T: Store + ?Sized> Store for Box<T> {
         (**self).write(ops, sync)
     }
 
-    fn recover(&self) -> Result<Vec<Op>, StoreError> {
+    fn recover(&self) -> Result<Recovered, StoreError> {
         (**self).recover()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        (**self).read(vhost, queue, from, to, max_count, max_bytes)
     }
 }

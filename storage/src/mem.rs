@@ -3,7 +3,7 @@
 
 use crate::codec::{BindingKey, ExchangeRecord, MessageRecord, QueueRecord};
 use crate::op::{BindingDest, Op};
-use crate::{Store, StoreError};
+use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
@@ -12,7 +12,8 @@ struct State {
     exchanges: BTreeMap<(String, String), ExchangeRecord>,
     queues: BTreeMap<(String, String), QueueRecord>,
     bindings: BTreeSet<BindingKey>,
-    messages: BTreeMap<(String, String), BTreeMap<u64, MessageRecord>>,
+    /// Each queue's messages by key; `true` marks a spilled transient one.
+    messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
 }
 
 #[derive(Debug, Default)]
@@ -131,25 +132,66 @@ impl Store for MemStore {
                     properties,
                     body,
                 } => {
-                    for q in queues {
+                    // Bodies are `Bytes`: every queue shares the one copy.
+                    for (q, level) in queues {
                         if let Some(m) = s.messages.get_mut(&key(vhost, q)) {
                             m.insert(
-                                *id,
-                                MessageRecord {
-                                    timestamp_ms: *timestamp_ms,
-                                    exchange: exchange.clone(),
-                                    routing_key: routing_key.clone(),
-                                    properties: properties.clone(),
-                                    body: body.clone(),
-                                },
+                                crate::message_key(*level, *id),
+                                (
+                                    MessageRecord {
+                                        timestamp_ms: *timestamp_ms,
+                                        exchange: exchange.clone(),
+                                        routing_key: routing_key.clone(),
+                                        properties: properties.clone(),
+                                        body: body.clone(),
+                                    },
+                                    false,
+                                ),
                             );
                         }
                     }
                 }
-                Op::Remove { vhost, queue, ids } => {
+                Op::Remove { vhost, queue, keys } => {
                     if let Some(m) = s.messages.get_mut(&key(vhost, queue)) {
-                        for id in ids {
-                            m.remove(id);
+                        for k in keys {
+                            m.remove(k);
+                        }
+                    }
+                }
+                Op::Spill {
+                    vhost,
+                    queue,
+                    key: k,
+                    timestamp_ms,
+                    exchange,
+                    routing_key,
+                    properties,
+                    body,
+                } => {
+                    s.messages.entry(key(vhost, queue)).or_default().insert(
+                        *k,
+                        (
+                            MessageRecord {
+                                timestamp_ms: *timestamp_ms,
+                                exchange: exchange.clone(),
+                                routing_key: routing_key.clone(),
+                                properties: properties.clone(),
+                                body: body.clone(),
+                            },
+                            true,
+                        ),
+                    );
+                }
+                Op::RemoveRange {
+                    vhost,
+                    queue,
+                    from,
+                    to,
+                } => {
+                    if let Some(m) = s.messages.get_mut(&key(vhost, queue)) {
+                        let gone: Vec<u64> = m.range(*from..=*to).map(|(k, _)| *k).collect();
+                        for k in gone {
+                            m.remove(&k);
                         }
                     }
                 }
@@ -163,8 +205,8 @@ impl Store for MemStore {
         Ok(())
     }
 
-    fn recover(&self) -> Result<Vec<Op>, StoreError> {
-        let s = self
+    fn recover(&self) -> Result<Recovered, StoreError> {
+        let mut s = self
             .state
             .lock()
             .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
@@ -178,11 +220,80 @@ impl Store for MemStore {
         for b in &s.bindings {
             ops.push(crate::op::bind(b));
         }
-        for ((vhost, name), msgs) in &s.messages {
-            for (id, m) in msgs {
-                ops.push(crate::op::enqueue(vhost, name, *id, m));
+        // What was spilled is gone, and queues that were never declared durably with it.
+        let State {
+            queues, messages, ..
+        } = &mut *s;
+        messages.retain(|k, _| queues.contains_key(k));
+        let mut summaries = Vec::new();
+        for ((vhost, name), msgs) in messages.iter_mut() {
+            msgs.retain(|_, (_, spilled)| !*spilled);
+            summaries.push(QueueSummary {
+                vhost: vhost.clone(),
+                name: name.clone(),
+                levels: summarize(msgs.iter().map(|(k, (m, _))| (*k, m.body.len() as u64))),
+            });
+        }
+        Ok(Recovered {
+            ops,
+            queues: summaries,
+        })
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        let s = self
+            .state
+            .lock()
+            .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        if let Some(msgs) = s.messages.get(&key(vhost, queue)) {
+            for (k, (m, _)) in msgs.range(from..=to) {
+                if out.len() >= max_count || (bytes >= max_bytes && !out.is_empty()) {
+                    break;
+                }
+                bytes += m.body.len();
+                out.push(StoredMessage {
+                    key: *k,
+                    timestamp_ms: m.timestamp_ms,
+                    exchange: m.exchange.clone(),
+                    routing_key: m.routing_key.clone(),
+                    properties: m.properties.clone(),
+                    body: m.body.clone(),
+                });
             }
         }
-        Ok(ops)
+        Ok(out)
     }
+}
+
+/// Per-level counts of (key, body size) pairs given in key order.
+pub(crate) fn summarize(entries: impl Iterator<Item = (u64, u64)>) -> Vec<LevelSummary> {
+    let mut levels: Vec<LevelSummary> = Vec::new();
+    for (k, size) in entries {
+        let level = crate::key_level(k);
+        match levels.last_mut() {
+            Some(l) if l.level == level => {
+                l.count += 1;
+                l.bytes += size;
+                l.last = k;
+            }
+            _ => levels.push(LevelSummary {
+                level,
+                count: 1,
+                bytes: size,
+                first: k,
+                last: k,
+            }),
+        }
+    }
+    levels
 }

@@ -55,11 +55,13 @@ pub enum Op {
         routing_key: String,
         arguments: Bytes,
     },
-    /// A message stored in `queues` under broker-wide id `id` (ids only grow; a queue delivers in
-    /// id order, and a requeued message goes back to its id's place).
+    /// A persistent message stored in `queues` under broker-wide id `id` (ids only grow; a queue
+    /// delivers in id order, and a requeued message goes back to its id's place). Each queue is
+    /// named with the message's priority level in it (0 without x-max-priority): its key there
+    /// is `message_key(level, id)`. Routed to several queues, the body is stored once.
     Enqueue {
         vhost: String,
-        queues: Vec<String>,
+        queues: Vec<(String, u8)>,
         id: u64,
         /// When it was published (ms since the epoch): TTLs count from here, also on replay.
         timestamp_ms: u64,
@@ -68,15 +70,36 @@ pub enum Op {
         properties: Bytes,
         body: Bytes,
     },
-    /// Messages acknowledged (or dropped) from one queue.
+    /// Messages acknowledged (or dropped) from one queue, by key (`message_key`).
     Remove {
         vhost: String,
         queue: String,
-        ids: Vec<u64>,
+        keys: Vec<u64>,
     },
+    /// Every message of a queue goes.
     Purge {
         vhost: String,
         queue: String,
+    },
+    /// A message moved out of memory to keep a deep queue's heap bounded: a transient message,
+    /// or any message of a queue that is not stored. Written without the write-ahead log and
+    /// discarded at recovery; the queue (even a non-durable one) gets storage for it.
+    Spill {
+        vhost: String,
+        queue: String,
+        key: u64,
+        timestamp_ms: u64,
+        exchange: String,
+        routing_key: String,
+        properties: Bytes,
+        body: Bytes,
+    },
+    /// The messages of a queue with keys from `from` to `to` (inclusive) go.
+    RemoveRange {
+        vhost: String,
+        queue: String,
+        from: u64,
+        to: u64,
     },
 }
 
@@ -93,7 +116,9 @@ impl Op {
             | Op::Unbind { vhost, .. }
             | Op::Enqueue { vhost, .. }
             | Op::Remove { vhost, .. }
-            | Op::Purge { vhost, .. } => vhost,
+            | Op::Purge { vhost, .. }
+            | Op::Spill { vhost, .. }
+            | Op::RemoveRange { vhost, .. } => vhost,
         }
     }
 }
@@ -130,18 +155,5 @@ pub(crate) fn bind(b: &crate::codec::BindingKey) -> Op {
         destination: b.destination.clone(),
         routing_key: b.routing_key.clone(),
         arguments: b.arguments.clone(),
-    }
-}
-
-pub(crate) fn enqueue(vhost: &str, queue: &str, id: u64, m: &crate::codec::MessageRecord) -> Op {
-    Op::Enqueue {
-        vhost: vhost.to_string(),
-        queues: vec![queue.to_string()],
-        id,
-        timestamp_ms: m.timestamp_ms,
-        exchange: m.exchange.clone(),
-        routing_key: m.routing_key.clone(),
-        properties: m.properties.clone(),
-        body: m.body.clone(),
     }
 }

@@ -13,6 +13,7 @@ mod durability;
 mod errors;
 mod exchange;
 mod extensions;
+mod paging;
 mod perf;
 mod queue;
 mod routing;

@@ -1,0 +1,359 @@
+//! Issue 3 point 4: a deep queue keeps a bounded window in memory and reads the rest back from
+//! the store, in order; transient messages spill past the window too. The window is
+//! `WINDOW_MESSAGES` (1024) ready messages per queue, so these tests go a few times past it.
+
+use crate::common::*;
+use lapin::options::*;
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, ExchangeKind};
+use warren::broker::queue::WINDOW_MESSAGES;
+
+const DEEP: usize = 4 * WINDOW_MESSAGES;
+
+fn durable_q() -> QueueDeclareOptions {
+    QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    }
+}
+
+fn persistent() -> BasicProperties {
+    BasicProperties::default().with_delivery_mode(2)
+}
+
+/// Publish bodies "0".."n-1" (offset by `first`) to `exchange` with `key`, with confirms, and
+/// wait for every confirm.
+async fn publish_n(
+    ch: &lapin::Channel,
+    exchange: &str,
+    key: &str,
+    first: usize,
+    n: usize,
+    props: impl Fn(usize) -> BasicProperties,
+) {
+    let mut confirms = Vec::with_capacity(n);
+    for i in first..first + n {
+        confirms.push(
+            ch.basic_publish(
+                exchange.into(),
+                key.into(),
+                BasicPublishOptions::default(),
+                i.to_string().as_bytes(),
+                props(i),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for c in confirms {
+        assert!(c.await.unwrap().is_ack());
+    }
+}
+
+/// Consume `n` messages from `queue` (acking each) and return (body as number, redelivered).
+async fn drain(ch: &lapin::Channel, queue: &str, n: usize) -> Vec<(usize, bool)> {
+    ch.basic_qos(300, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            unique("drain").as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let d = next_delivery(&mut consumer).await;
+        let body: usize = std::str::from_utf8(&d.data).unwrap().parse().unwrap();
+        out.push((body, d.redelivered));
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    no_delivery(&mut consumer).await;
+    ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())
+        .await
+        .unwrap();
+    out
+}
+
+/// Take `n` messages with basic.get (acking each), leaving the rest where they are.
+async fn get_n(ch: &lapin::Channel, queue: &str, n: usize) -> Vec<(usize, bool)> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let m = ch
+            .basic_get(queue.into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("queue ran dry");
+        let body: usize = std::str::from_utf8(&m.delivery.data)
+            .unwrap()
+            .parse()
+            .unwrap();
+        out.push((body, m.delivery.redelivered));
+        m.delivery.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    out
+}
+
+async fn count(ch: &lapin::Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+fn in_memory(server: &TestServer) -> usize {
+    server.shared.broker.lock().messages_in_memory()
+}
+
+/// Wait (within `WAIT`) until at most `bound` ready messages are in memory: messages past the
+/// window leave memory once their store write is done.
+async fn settles_within(server: &TestServer, bound: usize) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let held = in_memory(server);
+        if held <= bound {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{held} messages in memory, more than {bound}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+async fn confirming_channel(conn: &lapin::Connection) -> lapin::Channel {
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    ch
+}
+
+#[tokio::test]
+async fn a_deep_durable_queue_keeps_a_window_in_memory_and_survives_a_restart_in_order() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = confirming_channel(&conn).await;
+        ch.queue_declare("deep".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        publish_n(&ch, "", "deep", 0, DEEP, |_| persistent()).await;
+        assert_eq!(count(&ch, "deep").await, DEEP as u32);
+        settles_within(&server, WINDOW_MESSAGES).await;
+        // Half of it drained live, in order, read back from the store.
+        let got = get_n(&ch, "deep", DEEP / 2).await;
+        assert_eq!(
+            got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+            (0..DEEP / 2).collect::<Vec<_>>()
+        );
+        assert!(got.iter().all(|(_, r)| !r));
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    // Nothing is loaded at start-up; the rest comes back in order, flagged redelivered.
+    assert_eq!(in_memory(&server), 0);
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(count(&ch, "deep").await, (DEEP / 2) as u32);
+    let got = drain(&ch, "deep", DEEP / 2).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (DEEP / 2..DEEP).collect::<Vec<_>>()
+    );
+    assert!(got.iter().all(|(_, r)| *r));
+    assert_eq!(count(&ch, "deep").await, 0);
+}
+
+#[tokio::test]
+async fn transient_messages_spill_past_the_window_and_drain_in_order() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = confirming_channel(&conn).await;
+    // A non-durable queue, and a durable one holding both kinds.
+    ch.queue_declare("t".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_declare("mixed".into(), durable_q(), FieldTable::default())
+        .await
+        .unwrap();
+    publish_n(&ch, "", "t", 0, DEEP, |_| BasicProperties::default()).await;
+    publish_n(&ch, "", "mixed", 0, DEEP, |i| {
+        if i % 2 == 0 {
+            persistent()
+        } else {
+            BasicProperties::default()
+        }
+    })
+    .await;
+    settles_within(&server, 2 * WINDOW_MESSAGES).await;
+    let got = drain(&ch, "t", DEEP).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (0..DEEP).collect::<Vec<_>>()
+    );
+    // Only half of "mixed" drained; after a restart only its persistent messages are back.
+    let got = get_n(&ch, "mixed", DEEP / 2).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (0..DEEP / 2).collect::<Vec<_>>()
+    );
+    conn.close(200, "bye".into()).await.unwrap();
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let left = count(&ch, "mixed").await as usize;
+    assert_eq!(left, DEEP / 4);
+    let got = drain(&ch, "mixed", left).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (DEEP / 2..DEEP).step_by(2).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn a_deep_priority_queue_delivers_high_priority_first() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = confirming_channel(&conn).await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-priority".into(), AMQPValue::ShortShortUInt(5));
+    ch.queue_declare("prio".into(), durable_q(), args)
+        .await
+        .unwrap();
+    // A deep backlog of priority 0, then a few of priority 5 (beyond the window, so on disk).
+    publish_n(&ch, "", "prio", 0, DEEP, |_| persistent()).await;
+    publish_n(&ch, "", "prio", DEEP, 10, |_| persistent().with_priority(5)).await;
+    let got = drain(&ch, "prio", DEEP + 10).await;
+    let order: Vec<usize> = got.iter().map(|(b, _)| *b).collect();
+    let expected: Vec<usize> = (DEEP..DEEP + 10).chain(0..DEEP).collect();
+    assert_eq!(order, expected);
+}
+
+#[tokio::test]
+async fn purging_a_deep_queue_keeps_the_unacked_message() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = confirming_channel(&conn).await;
+        ch.queue_declare("p".into(), durable_q(), FieldTable::default())
+            .await
+            .unwrap();
+        publish_n(&ch, "", "p", 0, DEEP, |_| persistent()).await;
+        // One delivered and never acked, then the rest purged.
+        let held = ch
+            .basic_get("p".into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&held.delivery.data[..], b"0");
+        let purged = ch
+            .queue_purge("p".into(), QueuePurgeOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(purged, (DEEP - 1) as u32);
+        assert_eq!(count(&ch, "p").await, 0);
+        // New messages after the purge are kept.
+        publish_n(&ch, "", "p", DEEP, 3, |_| persistent()).await;
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let got = drain(&ch, "p", 4).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        vec![0, DEEP, DEEP + 1, DEEP + 2]
+    );
+}
+
+#[tokio::test]
+async fn a_deep_fanout_backlog_drains_from_every_queue_across_a_restart() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = confirming_channel(&conn).await;
+        ch.exchange_declare(
+            "fan".into(),
+            ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        for q in ["f1", "f2"] {
+            ch.queue_declare(q.into(), durable_q(), FieldTable::default())
+                .await
+                .unwrap();
+            ch.queue_bind(
+                q.into(),
+                "fan".into(),
+                "".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        }
+        publish_n(&ch, "fan", "", 0, DEEP, |_| persistent()).await;
+        let got = drain(&ch, "f1", DEEP).await;
+        assert_eq!(got.len(), DEEP);
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(count(&ch, "f1").await, 0);
+    let got = drain(&ch, "f2", DEEP).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (0..DEEP).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test]
+async fn limits_and_ttl_reach_into_the_part_on_disk() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = confirming_channel(&conn).await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(2000));
+    ch.queue_declare("capped".into(), durable_q(), args)
+        .await
+        .unwrap();
+    publish_n(&ch, "", "capped", 0, DEEP, |_| persistent()).await;
+    assert_eq!(count(&ch, "capped").await, 2000);
+    let got = drain(&ch, "capped", 2000).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (DEEP - 2000..DEEP).collect::<Vec<_>>()
+    );
+    // A queue TTL expires the whole backlog, the part on disk included.
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(300));
+    ch.queue_declare("ttl".into(), durable_q(), args)
+        .await
+        .unwrap();
+    publish_n(&ch, "", "ttl", 0, DEEP, |_| persistent()).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while count(&ch, "ttl").await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} messages still there",
+            count(&ch, "ttl").await
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
