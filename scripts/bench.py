@@ -4,9 +4,20 @@ generator (`warren perf`), scenarios alternated between the brokers so machine d
 out. Prints a markdown table (and writes it to --out).
 
     python3 scripts/bench.py [--scenarios S1,S2,S3] [--seconds 10] [--rounds 1]
+                             [--s5-messages 1000000] [--binary PATH]
 
 Each broker runs alone on loopback with a fresh data folder. For each run the broker's CPU time
 (from /proc) is reported per message, and its peak resident memory (VmHWM).
+
+S5 is not a timed run but two phases on one broker: `warren perf --consumers 0 --count N`
+publishes N persistent 1 KiB messages (pseudo-random bodies, so that compression cannot shrink
+them on disk) with confirms (window 1000) to one durable queue with no consumer and exits once
+all are confirmed; then `warren perf --producers 0 --count N` drains them with one consumer
+(manual ack, prefetch 1000, multiple ack every 100). It reports both rates,
+broker CPU per message of each phase, peak RSS (after publishing and at the end), and the disk
+used by the broker's data folder (allocated blocks, as du) once publishing is done. The run is
+marked failed unless N were confirmed, the queue held N after publishing, N were drained and the
+queue is empty at the end. S5 gets its own table.
 """
 import argparse
 import json
@@ -36,6 +47,16 @@ SCENARIOS = {
     "S6": ("1 MiB messages, 1 producer, 1 consumer",
            ["--size", "1048576", "--auto-ack", "--prefetch", "10"]),
 }
+
+S5_DESC = ("persistent 1 KiB messages (random bodies) published (confirms, window 1000) to one "
+           "durable queue with no consumer, then drained by one consumer (manual ack, "
+           "prefetch 1000, multi-ack every 100)")
+# Random bodies: a broker that compresses its store must not look smaller on disk for zeros.
+S5_COMMON = ["--size", "1024", "--persistent", "--random-body", "--queues", "1",
+             "--queue-prefix", "s5"]
+S5_PUBLISH = ["--producers", "1", "--consumers", "0", "--confirm", "1000"]
+S5_DRAIN = ["--producers", "0", "--consumers", "1", "--prefetch", "1000",
+            "--multi-ack-every", "100"]
 
 
 def free_port():
@@ -110,6 +131,7 @@ class Warren:
             env=dict(os.environ, WARREN_LOG="warn"))
         if not wait_port(self.port):
             raise RuntimeError("warren did not start")
+        self.data_dir = self.dir
         return self.proc.pid
 
     def stop(self):
@@ -142,6 +164,7 @@ class Rabbit:
         if not wait_port(self.port, timeout=120):
             raise RuntimeError("rabbitmq did not start")
         time.sleep(2)
+        self.data_dir = self.dir + "/mnesia"
         return self.proc.pid
 
     def stop(self):
@@ -159,21 +182,84 @@ class Rabbit:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run_perf(binary, broker, args, seconds):
+def run_perf(binary, broker, args, seconds, timeout=None):
     uri = "amqp://guest:guest@127.0.0.1:%d/%%2f" % broker.port
     cmd = [binary, "perf", "--uri", uri, "--duration", str(seconds), "--json"] + args
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    out = subprocess.run(cmd, capture_output=True, text=True,
+                         timeout=timeout if timeout else seconds + 120)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if not lines:
         raise RuntimeError("perf failed: %s" % out.stderr[-2000:])
+    if out.stderr.strip():
+        print(out.stderr.strip()[-2000:], file=sys.stderr)
     return json.loads(lines[-1])
+
+
+def disk_used_mb(path):
+    """Space allocated to the files under path (what du reports), in MB."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total / (1024 * 1024)
+
+
+def run_s5(binary, broker, pid, n):
+    """S5's two phases on a started broker; returns a dict of results."""
+    timeout = 300 + n // 500
+    cpu0 = proc_cpu_seconds(pid)
+    pub = run_perf(binary, broker, S5_COMMON + S5_PUBLISH + ["--count", str(n)], 0, timeout)
+    cpu1 = proc_cpu_seconds(pid)
+    rss_pub = peak_rss_mb(pid)
+    disk = disk_used_mb(broker.data_dir)
+    drain = run_perf(binary, broker, S5_COMMON + S5_DRAIN + ["--count", str(n)], 0, timeout)
+    cpu2 = proc_cpu_seconds(pid)
+    problems = []
+    if pub["confirmed"] != n or pub["nacked"]:
+        problems.append("confirmed %d nacked %d of %d" % (pub["confirmed"], pub["nacked"], n))
+    if pub.get("messages_left") != n:
+        problems.append("queue held %s after publishing" % pub.get("messages_left"))
+    if drain["consumed"] != n:
+        problems.append("drained %d of %d" % (drain["consumed"], n))
+    if drain.get("messages_left") != 0:
+        problems.append("%s left after draining" % drain.get("messages_left"))
+    return {
+        "messages": n,
+        "publish_per_sec": pub["published"] / pub["seconds"],
+        "drain_per_sec": drain["consumed_per_sec"],
+        "publish_cpu_us": (cpu1 - cpu0) * 1e6 / n,
+        "drain_cpu_us": (cpu2 - cpu1) * 1e6 / n,
+        "rss_after_publish": rss_pub,
+        "rss_peak": peak_rss_mb(pid),
+        "disk_mb": disk,
+        "check": "ok" if not problems else "FAILED: " + "; ".join(problems),
+    }
+
+
+def s5_table(rows):
+    lines = ["S5: %s" % S5_DESC, "",
+             "| broker | messages | publish msg/s | drain msg/s | CPU us/msg publish | "
+             "CPU us/msg drain | peak RSS MB after publish | peak RSS MB | "
+             "data folder MB after publish | drained = published |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for broker, r in rows:
+        lines.append("| %s | %d | %.0f | %.0f | %.2f | %.2f | %d | %d | %.0f | %s |" % (
+            broker, r["messages"], r["publish_per_sec"], r["drain_per_sec"],
+            r["publish_cpu_us"], r["drain_cpu_us"], r["rss_after_publish"], r["rss_peak"],
+            r["disk_mb"], r["check"]))
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--scenarios", default="S1,S2,S3,S4,S6")
+    ap.add_argument("--scenarios", default="S1,S2,S3,S4,S5,S6")
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--s5-messages", type=int, default=1000000,
+                    help="messages published then drained in S5")
     ap.add_argument("--binary", default=os.path.join(
         os.environ.get("CARGO_TARGET_DIR", os.path.expanduser("~/.cache/warren/target")),
         "release", "warren"))
@@ -185,13 +271,31 @@ def main():
     else:
         print("rabbitmq-server not installed: Warren only", file=sys.stderr)
     rows = []
+    s5_rows = []
     for name in opts.scenarios.split(","):
-        desc, args = SCENARIOS[name]
+        if name != "S5" and name not in SCENARIOS:
+            ap.error("unknown scenario %s" % name)
         for rnd in range(opts.rounds):
             # Alternate which broker goes first each round.
             order = brokers if rnd % 2 == 0 else list(reversed(brokers))
             for b in order:
                 pid = b.start()
+                if name == "S5":
+                    try:
+                        r = run_s5(opts.binary, b, pid, opts.s5_messages)
+                    except Exception as e:  # noqa: BLE001 - report and go on
+                        print("S5 %s failed: %s" % (b.name, e), file=sys.stderr)
+                        b.stop()
+                        continue
+                    b.stop()
+                    s5_rows.append((b.name, r))
+                    print("S5 %-8s publish %8.0f/s drain %8.0f/s cpu %.2f/%.2fus/msg "
+                          "rss %d/%dMB disk %.0fMB %s" % (
+                              b.name, r["publish_per_sec"], r["drain_per_sec"],
+                              r["publish_cpu_us"], r["drain_cpu_us"], r["rss_after_publish"],
+                              r["rss_peak"], r["disk_mb"], r["check"]), file=sys.stderr)
+                    continue
+                desc, args = SCENARIOS[name]
                 cpu0 = proc_cpu_seconds(pid)
                 try:
                     r = run_perf(opts.binary, b, args, opts.seconds)
@@ -213,7 +317,9 @@ def main():
         lines.append("| %s: %s | %s | %.0f | %.0f | %d | %d | %.2f | %d |" % (
             name, desc, broker, r["published_per_sec"], r["consumed_per_sec"],
             r["latency_us"]["p50"], r["latency_us"]["p99"], cpu_per_msg, rss))
-    table = "\n".join(lines)
+    table = "\n".join(lines) if rows else ""
+    if s5_rows:
+        table = (table + "\n\n" if table else "") + s5_table(s5_rows)
     print(table)
     if opts.out:
         open(opts.out, "w").write(table + "\n")

@@ -4,6 +4,11 @@
 //!
 //! Every body starts with the send time (ns since the run started), so consumers measure
 //! publish-to-delivery latency.
+//!
+//! Two-phase runs (fill a queue, then drain it): `--consumers 0 --count N` publishes N messages
+//! per producer and exits once they are confirmed; `--producers 0 --count N` consumes N messages
+//! from what is already queued (no purge) and exits. `messages_left` in the summary is what the
+//! queues hold (ready) at the end, read with a passive queue.declare.
 
 use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, AMQPClass};
 use amq_protocol::types::FieldTable;
@@ -27,13 +32,16 @@ pub struct PerfArgs {
     /// Broker to load.
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     pub uri: String,
-    /// Publishing connections.
+    /// Publishing connections. 0: drain only (the queues are not purged; consume what is
+    /// there until --count messages arrived, or for --duration seconds).
     #[arg(long, default_value_t = 1)]
     pub producers: usize,
-    /// Consuming connections.
+    /// Consuming connections. 0: publish only.
     #[arg(long, default_value_t = 1)]
     pub consumers: usize,
-    /// Queues (`<prefix>-<n>`); producers and consumers are spread over them.
+    /// Queues (`<prefix>-<n>`); producers and consumers are spread over them: with more queues
+    /// than producers, producer i publishes round-robin to queues i, i+P, i+2P...; with more
+    /// queues than consumers, consumer i subscribes to queues i, i+C, i+2C...
     #[arg(long, default_value_t = 1)]
     pub queues: usize,
     /// direct: publish to each queue through the default exchange; fanout: publish to one
@@ -46,6 +54,10 @@ pub struct PerfArgs {
     /// Persistent messages in durable queues.
     #[arg(long)]
     pub persistent: bool,
+    /// Fill every body with fresh pseudo-random bytes (after the send time) instead of zeros,
+    /// so that a broker that compresses what it stores cannot shrink it.
+    #[arg(long)]
+    pub random_body: bool,
     /// Publisher confirms with this many unconfirmed messages in flight (0: no confirms).
     #[arg(long, default_value_t = 0)]
     pub confirm: u64,
@@ -64,7 +76,8 @@ pub struct PerfArgs {
     /// Seconds to publish for.
     #[arg(long, default_value_t = 10)]
     pub duration: u64,
-    /// Stop each producer after this many messages instead.
+    /// Stop each producer after this many messages (after they are confirmed, with --confirm)
+    /// instead. With --producers 0: stop once this many messages were consumed in all.
     #[arg(long)]
     pub count: Option<u64>,
     /// Queue name prefix.
@@ -94,7 +107,12 @@ pub struct Summary {
     pub returned: u64,
     pub published_per_sec: f64,
     pub consumed_per_sec: f64,
+    /// Publish-to-delivery latency; all zero in a drain-only run (the send times in the bodies
+    /// are from another run's clock).
     pub latency_us: Latency,
+    /// Ready messages left in the queues at the end (passive queue.declare); None if that
+    /// failed.
+    pub messages_left: Option<u64>,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -237,11 +255,23 @@ fn queue_name(args: &PerfArgs, i: usize) -> String {
     format!("{}-{i}", args.queue_prefix)
 }
 
+/// The queues worker `n` of `workers` (producers or consumers) uses: queue `n % queues` when
+/// there are no more queues than workers, else every `workers`-th queue from `n`, so that
+/// every queue is used.
+fn assigned_queues(n: usize, workers: usize, queues: usize) -> Vec<usize> {
+    if queues <= workers {
+        vec![n % queues]
+    } else {
+        (n..queues).step_by(workers).collect()
+    }
+}
+
 fn fanout_name(args: &PerfArgs) -> String {
     format!("{}-fanout", args.queue_prefix)
 }
 
-/// Declare (and purge) the queues, and the fanout exchange if asked.
+/// Declare the queues (purged, unless this is a drain-only run), and the fanout exchange if
+/// asked.
 async fn setup(t: &Target, args: &PerfArgs) -> anyhow::Result<()> {
     let mut c = Client::connect(t).await?;
     if args.exchange_type == "fanout" {
@@ -269,15 +299,17 @@ async fn setup(t: &Target, args: &PerfArgs) -> anyhow::Result<()> {
         )
         .await?;
         c.expect_ok().await?;
-        c.send(
-            1,
-            AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
-                queue: name.as_str().into(),
-                nowait: false,
-            })),
-        )
-        .await?;
-        c.expect_ok().await?;
+        if args.producers > 0 {
+            c.send(
+                1,
+                AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+                    queue: name.as_str().into(),
+                    nowait: false,
+                })),
+            )
+            .await?;
+            c.expect_ok().await?;
+        }
         if args.exchange_type == "fanout" {
             c.send(
                 1,
@@ -292,6 +324,30 @@ async fn setup(t: &Target, args: &PerfArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Ready messages in all the queues (passive queue.declare).
+async fn messages_left(t: &Target, args: &PerfArgs) -> anyhow::Result<u64> {
+    let mut c = Client::connect(t).await?;
+    let mut total = 0u64;
+    for i in 0..args.queues {
+        c.send(
+            1,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: queue_name(args, i).into(),
+                passive: true,
+                ..Default::default()
+            })),
+        )
+        .await?;
+        match c.expect_ok().await? {
+            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)) => {
+                total += u64::from(ok.message_count)
+            }
+            other => bail!("expected queue.declare-ok, got {other:?}"),
+        }
+    }
+    Ok(total)
 }
 
 async fn produce(
@@ -314,26 +370,35 @@ async fn produce(
         .await?;
         c.expect_ok().await?;
     }
-    let (exchange, routing_key) = if args.exchange_type == "fanout" {
-        (fanout_name(&args), String::new())
+    let routes: Vec<(String, String)> = if args.exchange_type == "fanout" {
+        vec![(fanout_name(&args), String::new())]
     } else {
-        (String::new(), queue_name(&args, n % args.queues))
+        assigned_queues(n, args.producers, args.queues)
+            .into_iter()
+            .map(|q| (String::new(), queue_name(&args, q)))
+            .collect()
     };
-    // The publish method frame is the same for every message: encode it once.
-    let mut template = OutBuffer::new();
-    template.method(
-        1,
-        &AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-            exchange: exchange.as_str().into(),
-            routing_key: routing_key.as_str().into(),
-            ..Default::default()
-        })),
-    );
-    let publish_frame = template.as_slice().to_vec();
+    // The publish method frame is the same for every message to a queue: encode it once.
+    let publish_frames: Vec<Vec<u8>> = routes
+        .iter()
+        .map(|(exchange, routing_key)| {
+            let mut template = OutBuffer::new();
+            template.method(
+                1,
+                &AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                    exchange: exchange.as_str().into(),
+                    routing_key: routing_key.as_str().into(),
+                    ..Default::default()
+                })),
+            );
+            template.as_slice().to_vec()
+        })
+        .collect();
     let props =
         basic::AMQPProperties::default().with_delivery_mode(if args.persistent { 2 } else { 1 });
     let raw_props = warren_protocol::codec::encode_properties(&props);
     let mut body = vec![0u8; args.size.max(8)];
+    let mut rng = XorShift::new(n as u64);
     let frame_max = c.frame_max;
     let Client {
         mut rd,
@@ -404,10 +469,13 @@ async fn produce(
             }
             room = 1;
         }
-        for _ in 0..room {
+        for k in sent..sent + room {
             let now = start.elapsed().as_nanos() as u64;
             body[..8].copy_from_slice(&now.to_be_bytes());
-            out.raw(&publish_frame);
+            if args.random_body {
+                rng.fill(&mut body[8..]);
+            }
+            out.raw(&publish_frames[(k % publish_frames.len() as u64) as usize]);
             out.content(1, &raw_props, &body, frame_max);
         }
         wr.write_all(out.as_slice()).await?;
@@ -416,9 +484,18 @@ async fn produce(
         stats.published.fetch_add(room, Ordering::Relaxed);
     }
     if confirming {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while acked.load(Ordering::Acquire) < sent && Instant::now() < deadline {
+        // Wait for the outstanding confirms; give up after 10 s without progress.
+        let mut last = acked.load(Ordering::Acquire);
+        let mut since = Instant::now();
+        while last < sent && since.elapsed() < Duration::from_secs(10) {
             let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;
+            let now = acked.load(Ordering::Acquire);
+            if now != last {
+                (last, since) = (now, Instant::now());
+            }
+        }
+        if last < sent {
+            eprintln!("producer {n}: {} publishes never confirmed", sent - last);
         }
     }
     reader.abort();
@@ -446,21 +523,30 @@ async fn consume(
         .await?;
         c.expect_ok().await?;
     }
-    c.send(
-        1,
-        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
-            queue: queue_name(&args, n % args.queues).into(),
-            no_ack: args.auto_ack,
-            ..Default::default()
-        })),
-    )
-    .await?;
-    c.expect_ok().await?;
+    // The consumes are pipelined: once the first is in place deliveries may arrive before the
+    // next consume-ok, so the oks (and a refusal) are read by the delivery loop below.
+    for q in assigned_queues(n, args.consumers, args.queues) {
+        c.out.method(
+            1,
+            &AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+                queue: queue_name(&args, q).into(),
+                no_ack: args.auto_ack,
+                ..Default::default()
+            })),
+        );
+    }
+    c.flush().await?;
+    // In a drain-only run the bodies carry another run's send times: no latency.
+    let measure_latency = args.producers > 0;
     let mut local = Histogram::<u64>::new(3)?;
     let mut last_tag = 0u64;
+    // The tag of the last message received in full (counted, and what acks cover).
+    let mut counted_tag = 0u64;
     let mut unacked = 0u64;
     let mut remaining = 0u64;
     let mut first_body = false;
+    // Between a basic.deliver and the end of its content.
+    let mut in_message = false;
     loop {
         let frame = tokio::select! {
             f = c.rd.next() => f,
@@ -469,42 +555,26 @@ async fn consume(
                 continue;
             }
         };
+        let mut complete = false;
         match frame {
             Some(Ok(Frame::Method(_, AMQPClass::Basic(basic::AMQPMethod::Deliver(d))))) => {
                 last_tag = d.delivery_tag;
                 first_body = true;
+                in_message = true;
             }
             Some(Ok(Frame::Header { body_size, .. })) => {
                 remaining = body_size;
-                if body_size == 0 {
-                    stats.consumed.fetch_add(1, Ordering::Relaxed);
-                }
+                complete = body_size == 0;
             }
             Some(Ok(Frame::Body(_, data))) => {
-                if first_body && data.len() >= 8 {
+                if first_body && measure_latency && data.len() >= 8 {
                     let sent = u64::from_be_bytes(data[..8].try_into().unwrap_or([0; 8]));
                     let now = start.elapsed().as_nanos() as u64;
                     let _ = local.record(now.saturating_sub(sent) / 1000);
                 }
                 first_body = false;
                 remaining = remaining.saturating_sub(data.len() as u64);
-                if remaining == 0 {
-                    stats.consumed.fetch_add(1, Ordering::Relaxed);
-                    if !args.auto_ack {
-                        unacked += 1;
-                        if unacked >= args.multi_ack_every {
-                            c.out.method(
-                                1,
-                                &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                                    delivery_tag: last_tag,
-                                    multiple: true,
-                                })),
-                            );
-                            c.flush().await?;
-                            unacked = 0;
-                        }
-                    }
-                }
+                complete = remaining == 0;
             }
             Some(Ok(Frame::Method(
                 _,
@@ -512,13 +582,46 @@ async fn consume(
             ))) => {
                 bail!("consumer connection closed: {}", cl.reply_text);
             }
+            Some(Ok(Frame::Method(_, AMQPClass::Channel(channel::AMQPMethod::Close(cl))))) => {
+                bail!("consumer channel closed: {}", cl.reply_text);
+            }
             Some(Ok(_)) => {}
             Some(Err(e)) => bail!("frame error: {e}"),
             None => break,
         }
-        if done.load(Ordering::Relaxed) && remaining == 0 && c.rd.read_buffer().is_empty() {
+        if complete {
+            in_message = false;
+            counted_tag = last_tag;
+            stats.consumed.fetch_add(1, Ordering::Relaxed);
+            if !args.auto_ack {
+                unacked += 1;
+                if unacked >= args.multi_ack_every {
+                    c.out.method(
+                        1,
+                        &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                            delivery_tag: counted_tag,
+                            multiple: true,
+                        })),
+                    );
+                    c.flush().await?;
+                    unacked = 0;
+                }
+            }
+        }
+        if done.load(Ordering::Relaxed) && !in_message && c.rd.read_buffer().is_empty() {
             break;
         }
+    }
+    if unacked > 0 {
+        // Ack the last partial batch, so that what was counted as consumed leaves the queue.
+        c.out.method(
+            1,
+            &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: counted_tag,
+                multiple: true,
+            })),
+        );
+        let _ = c.flush().await;
     }
     hist.lock().add(&local)?;
     Ok(())
@@ -526,6 +629,12 @@ async fn consume(
 
 /// Run a load test and return its summary (also printed, as text or JSON).
 pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
+    if args.producers == 0 && args.consumers == 0 {
+        bail!("nothing to do: --producers 0 and --consumers 0");
+    }
+    if args.queues == 0 {
+        bail!("--queues must be at least 1");
+    }
     let t = Arc::new(target(&args.uri)?);
     setup(&t, &args).await?;
     let args = Arc::new(args);
@@ -587,26 +696,50 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
         })
     };
     let publish_for = Duration::from_secs(args.duration);
-    if args.count.is_none() {
-        tokio::time::sleep(publish_for).await;
-        stop.store(true, Ordering::Relaxed);
-    }
-    for p in producers {
-        if let Err(e) = p.await? {
-            eprintln!("producer: {e:#}");
+    let (publish_time, consume_time) = if args.producers == 0 {
+        // Drain only: until --count messages arrived (or --duration passed), giving up after
+        // 10 s without a delivery.
+        let mut last = 0;
+        let mut since = Instant::now();
+        loop {
+            let k = stats.consumed.load(Ordering::Relaxed);
+            match args.count {
+                Some(n) if k >= n => break,
+                None if start.elapsed() >= publish_for => break,
+                _ => {}
+            }
+            if k != last {
+                (last, since) = (k, Instant::now());
+            } else if since.elapsed() >= Duration::from_secs(10) {
+                eprintln!("nothing delivered for 10 s: stopping after {k} messages");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-    }
-    let publish_time = start.elapsed();
-    // Let consumers drain what was published (bounded).
-    let expected = stats.published.load(Ordering::Relaxed) * fanout(&args);
-    let drain_deadline = Instant::now() + Duration::from_secs(30);
-    while args.consumers > 0
-        && stats.consumed.load(Ordering::Relaxed) < expected
-        && Instant::now() < drain_deadline
-    {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let consume_time = start.elapsed();
+        let t = start.elapsed();
+        (t, t)
+    } else {
+        if args.count.is_none() {
+            tokio::time::sleep(publish_for).await;
+            stop.store(true, Ordering::Relaxed);
+        }
+        for p in producers {
+            if let Err(e) = p.await? {
+                eprintln!("producer: {e:#}");
+            }
+        }
+        let publish_time = start.elapsed();
+        // Let consumers drain what was published (bounded).
+        let expected = stats.published.load(Ordering::Relaxed) * fanout(&args);
+        let drain_deadline = Instant::now() + Duration::from_secs(30);
+        while args.consumers > 0
+            && stats.consumed.load(Ordering::Relaxed) < expected
+            && Instant::now() < drain_deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        (publish_time, start.elapsed())
+    };
     done.store(true, Ordering::Relaxed);
     for c in consumers {
         if let Err(e) = c.await? {
@@ -614,6 +747,13 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
         }
     }
     reporter.abort();
+    let left = match messages_left(&t, &args).await {
+        Ok(n) => Some(n),
+        Err(e) => {
+            eprintln!("counting the messages left: {e:#}");
+            None
+        }
+    };
     let h = hist.lock();
     let summary = Summary {
         seconds: publish_time.as_secs_f64(),
@@ -622,8 +762,11 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
         confirmed: stats.confirmed.load(Ordering::Relaxed),
         nacked: stats.nacked.load(Ordering::Relaxed),
         returned: stats.returned.load(Ordering::Relaxed),
-        published_per_sec: stats.published.load(Ordering::Relaxed) as f64
-            / publish_time.as_secs_f64(),
+        published_per_sec: if args.producers == 0 {
+            0.0
+        } else {
+            stats.published.load(Ordering::Relaxed) as f64 / publish_time.as_secs_f64()
+        },
         consumed_per_sec: stats.consumed.load(Ordering::Relaxed) as f64
             / consume_time.as_secs_f64(),
         latency_us: if h.is_empty() {
@@ -637,6 +780,7 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
                 max: h.max(),
             }
         },
+        messages_left: left,
     };
     if args.json {
         println!("{}", serde_json::to_string(&summary)?);
@@ -656,6 +800,9 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
             "latency (us): p50 {} p95 {} p99 {} p99.9 {} max {}",
             l.p50, l.p95, l.p99, l.p999, l.max
         );
+        if let Some(n) = summary.messages_left {
+            println!("messages left in the queues: {n}");
+        }
     }
     Ok(summary)
 }
@@ -666,5 +813,24 @@ fn fanout(args: &PerfArgs) -> u64 {
         args.queues as u64
     } else {
         1
+    }
+}
+
+/// xorshift64*: cheap incompressible bodies (not for anything needing real randomness).
+struct XorShift(u64);
+
+impl XorShift {
+    fn new(seed: u64) -> Self {
+        XorShift(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    fn fill(&mut self, buf: &mut [u8]) {
+        for chunk in buf.chunks_mut(8) {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            let v = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes();
+            chunk.copy_from_slice(&v[..chunk.len()]);
+        }
     }
 }
