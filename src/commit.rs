@@ -39,6 +39,60 @@ pub struct Stats {
     pub messages: AtomicU64,
     /// Failed writes (each failed request is reported to its requester).
     pub failures: AtomicU64,
+    /// Messages consumed and acked before their write: neither written nor deleted.
+    pub cancelled: AtomicU64,
+}
+
+/// A message stored in one queue and removed from it within the same write never needs to
+/// reach the disk: drop both ops. (A consumer that keeps up acks most messages before the
+/// group commit that stores them; their confirm still goes out after this write's fsync.)
+/// Returns how many messages were dropped.
+fn cancel_acked(ops: &mut Vec<Op>) -> u64 {
+    use std::collections::HashMap;
+    let mut stored: HashMap<u64, usize> = HashMap::new();
+    let mut cancel: Vec<bool> = vec![false; ops.len()];
+    let mut any_remove = false;
+    for (i, op) in ops.iter().enumerate() {
+        match op {
+            Op::Enqueue { queues, id, .. } if queues.len() == 1 => {
+                stored.insert(warren_storage::message_key(queues[0].1, *id), i);
+            }
+            Op::Remove { .. } => any_remove = true,
+            _ => {}
+        }
+    }
+    if stored.is_empty() || !any_remove {
+        return 0;
+    }
+    let mut n = 0;
+    for i in 0..ops.len() {
+        let (head, tail) = ops.split_at_mut(i);
+        let Op::Remove { vhost, queue, keys } = &mut tail[0] else {
+            continue;
+        };
+        keys.retain(|k| {
+            let Some(&j) = stored.get(k).filter(|&&j| j < i) else {
+                return true;
+            };
+            let same = matches!(&head[j], Op::Enqueue { vhost: v, queues, .. }
+                if v == vhost && queues[0].0 == *queue);
+            if same && !cancel[j] {
+                cancel[j] = true;
+                n += 1;
+                return false;
+            }
+            true
+        });
+        if keys.is_empty() {
+            cancel[i] = true;
+        }
+    }
+    let mut i = 0;
+    ops.retain(|_| {
+        i += 1;
+        !cancel[i - 1]
+    });
+    n
 }
 
 #[derive(Debug)]
@@ -69,6 +123,7 @@ impl Drop for Committer {
             writes = s.writes.load(Ordering::Relaxed),
             syncs,
             messages,
+            cancelled = s.cancelled.load(Ordering::Relaxed),
             messages_per_sync = if syncs == 0 {
                 0.0
             } else {
@@ -154,6 +209,8 @@ fn run(
             .iter()
             .filter(|o| matches!(o, Op::Enqueue { .. }))
             .count() as u64;
+        let cancelled = cancel_acked(&mut ops);
+        stats.cancelled.fetch_add(cancelled, Ordering::Relaxed);
         let result = store.write(&ops, sync);
         stats.writes.fetch_add(1, Ordering::Relaxed);
         stats.ops.fetch_add(ops.len() as u64, Ordering::Relaxed);
@@ -181,5 +238,58 @@ fn run(
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cancel_acked;
+    use bytes::Bytes;
+    use warren_storage::Op;
+
+    fn enqueue(queues: &[&str], id: u64) -> Op {
+        Op::Enqueue {
+            vhost: "/".into(),
+            queues: queues.iter().map(|q| (q.to_string(), 0)).collect(),
+            id,
+            timestamp_ms: 0,
+            exchange: "".into(),
+            routing_key: "".into(),
+            properties: Bytes::new(),
+            body: Bytes::new(),
+        }
+    }
+
+    fn remove(queue: &str, keys: &[u64]) -> Op {
+        Op::Remove {
+            vhost: "/".into(),
+            queue: queue.into(),
+            keys: keys.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_message_acked_within_the_write_is_neither_written_nor_deleted() {
+        let mut ops = vec![
+            enqueue(&["a"], 1),
+            enqueue(&["a"], 2),
+            enqueue(&["a", "b"], 3),
+            remove("a", &[1, 3]),
+            remove("b", &[2]),
+        ];
+        assert_eq!(cancel_acked(&mut ops), 1);
+        assert_eq!(
+            ops,
+            vec![
+                enqueue(&["a"], 2),
+                enqueue(&["a", "b"], 3),
+                remove("a", &[3]),
+                remove("b", &[2]),
+            ]
+        );
+        // A removal before the enqueue (another message with that key) cancels nothing.
+        let mut ops = vec![remove("a", &[5]), enqueue(&["a"], 5)];
+        assert_eq!(cancel_acked(&mut ops), 0);
+        assert_eq!(ops.len(), 2);
     }
 }

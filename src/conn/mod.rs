@@ -18,7 +18,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{sleep_until, timeout, Instant};
-use tokio_util::codec::FramedRead;
+use tokio_util::codec::{Decoder, FramedRead};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use warren_protocol::{FrameCodec, OutBuffer, PROTOCOL_HEADER};
@@ -132,11 +132,33 @@ pub async fn serve(
                     }
                     Some(Ok(frame)) => {
                         last_recv = Instant::now();
-                        let next = session.handle(frame);
+                        let mut next = session.handle(frame);
+                        // The frames already read: handle them now rather than going back
+                        // through select! for each (bounded, and stopping for the checks at the
+                        // top of the loop).
+                        let mut more = 0;
+                        while matches!(next, Next::Continue) && more < 256 {
+                            if outbox.len() > OUTBOX_HIGH_WATER
+                                || (session.published && *disk_alarm.borrow())
+                            {
+                                break;
+                            }
+                            // The negotiated frame_max applies from tune-ok on.
+                            let mut codec = FrameCodec::new(session.frame_max());
+                            match codec.decode(frames.read_buffer_mut()) {
+                                Ok(Some(frame)) => next = session.handle(frame),
+                                Ok(None) => break,
+                                Err(e) => {
+                                    debug!(error = %e, "frame error");
+                                    session.frame_error(&e);
+                                    next = Next::Close;
+                                }
+                            }
+                            more += 1;
+                        }
                         if !has_complete_frame(frames.read_buffer()) {
                             session.flush_confirms();
                         }
-                        // The negotiated frame_max applies from tune-ok on.
                         frames.decoder_mut().frame_max = session.frame_max();
                         match next {
                             Next::Continue => {}

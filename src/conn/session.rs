@@ -481,7 +481,13 @@ impl Session {
             };
             if let Some(chan) = self.channels.get_mut(&w.channel) {
                 if chan.generation == w.generation {
-                    chan.durable_pending.retain(|s| *s != w.seq);
+                    // Commits come back in order, so this is nearly always the front one.
+                    if chan.durable_pending.front() == Some(&w.seq) {
+                        chan.durable_pending.pop_front();
+                    } else if let Some(pos) = chan.durable_pending.iter().position(|s| *s == w.seq)
+                    {
+                        chan.durable_pending.remove(pos);
+                    }
                     if !done.ok {
                         chan.failed.insert(w.seq);
                     }
