@@ -264,9 +264,11 @@ def main():
         os.environ.get("CARGO_TARGET_DIR", os.path.expanduser("~/.cache/warren/target")),
         "release", "warren"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--warren-only", action="store_true",
+                    help="skip RabbitMQ even when it is installed")
     opts = ap.parse_args()
     brokers = [Warren(opts.binary)]
-    if shutil.which("rabbitmq-server"):
+    if shutil.which("rabbitmq-server") and not opts.warren_only:
         brokers.append(Rabbit())
     else:
         print("rabbitmq-server not installed: Warren only", file=sys.stderr)

@@ -9,6 +9,7 @@ mod channel;
 mod confirm_tx;
 mod connection;
 mod crash;
+mod diskfull;
 mod durability;
 mod errors;
 mod exchange;
