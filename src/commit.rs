@@ -102,6 +102,8 @@ pub struct Committer {
     /// The highest ticket written (successfully or not): with tickets numbered like the
     /// broker's journal batches, queues know which staged messages the store has.
     pub written: Arc<AtomicU64>,
+    /// Woken after every write (throttled publishers wait on it).
+    pub progress: Arc<tokio::sync::Notify>,
     pub stats: Arc<Stats>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -148,14 +150,17 @@ impl Committer {
         let (tx, rx) = mpsc::channel::<Request>();
         let stats = Arc::new(Stats::default());
         let written = Arc::new(AtomicU64::new(0));
-        let (thread_stats, thread_written) = (stats.clone(), written.clone());
+        let progress = Arc::new(tokio::sync::Notify::new());
+        let (thread_stats, thread_written, thread_progress) =
+            (stats.clone(), written.clone(), progress.clone());
         let thread = std::thread::Builder::new()
             .name("warren-committer".into())
-            .spawn(move || run(store, rx, thread_stats, thread_written))
+            .spawn(move || run(store, rx, thread_stats, thread_written, thread_progress))
             .expect("spawning the committer thread");
         Committer {
             tx: Some(tx),
             written,
+            progress,
             stats,
             thread: Some(thread),
         }
@@ -188,6 +193,7 @@ fn run(
     rx: mpsc::Receiver<Request>,
     stats: Arc<Stats>,
     written: Arc<AtomicU64>,
+    progress: Arc<tokio::sync::Notify>,
 ) {
     let mut batch: Vec<Request> = Vec::new();
     let mut ops: Vec<Op> = Vec::new();
@@ -230,6 +236,7 @@ fn run(
         if let Some(last) = batch.iter().map(|r| r.ticket).max() {
             written.fetch_max(last, Ordering::Release);
         }
+        progress.notify_waiters();
         for r in batch.drain(..) {
             if let Some(n) = r.notify {
                 let _ = n.send(Done {

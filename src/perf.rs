@@ -461,8 +461,12 @@ async fn produce(
             room = room.min(args.confirm - in_flight);
         }
         if args.rate > 0 {
-            // Stay on schedule: message k goes out at k / rate seconds.
-            let due = Duration::from_secs_f64(sent as f64 / args.rate as f64);
+            // Stay on schedule: message k goes out at k / rate seconds, producer n shifted by
+            // n / producers of an interval, so that rate-limited producers do not all fire at
+            // the same instant (as independent clients would not; PerfTest's producers are not
+            // aligned either).
+            let phase = n as f64 / args.producers.max(1) as f64;
+            let due = Duration::from_secs_f64((sent as f64 + phase) / args.rate as f64);
             let elapsed = start.elapsed();
             if due > elapsed {
                 tokio::time::sleep(due - elapsed).await;

@@ -223,6 +223,8 @@ pub struct PublishOutcome {
     pub routed: usize,
     /// Some queue refused it (x-overflow reject-publish): the publisher gets a basic.nack.
     pub rejected: bool,
+    /// Some queue took it past its in-memory window (the publisher should wait for the store).
+    pub staged: bool,
 }
 
 impl Default for Broker {
@@ -1645,6 +1647,7 @@ impl Broker {
                 return Ok(PublishOutcome {
                     routed: delivered as usize,
                     rejected: false,
+                    staged: false,
                 });
             }
         }
@@ -1714,10 +1717,11 @@ impl Broker {
                 });
             }
         }
-        self.enqueue(targets, id, self.now_ms, msg, fx);
+        let staged = self.enqueue(targets, id, self.now_ms, msg, fx);
         PublishOutcome {
             routed: total,
             rejected,
+            staged,
         }
     }
 
@@ -1834,7 +1838,8 @@ impl Broker {
         at: u64,
         msg: Arc<Message>,
         fx: &mut Vec<Effect>,
-    ) {
+    ) -> bool {
+        let mut any_staged = false;
         for qid in targets {
             let Some(q) = self.queues.get_mut(qid) else {
                 continue;
@@ -1857,6 +1862,7 @@ impl Broker {
             let staged = q.push(qm, self.journal_seq + 1);
             if staged {
                 self.staging.insert(*qid);
+                any_staged = true;
             }
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.
@@ -1892,6 +1898,7 @@ impl Broker {
                 }
             }
         }
+        any_staged
     }
 
     // ---------------------------------------------------------------- consumers

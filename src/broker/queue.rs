@@ -11,7 +11,7 @@ use warren_storage::{message_key, LevelSummary, Store};
 /// newly arriving messages wait on disk and are read back in order, a batch at a time, as the
 /// head drains. This bounds the heap of a deep queue (issue 3 point 4).
 pub const WINDOW_MESSAGES: usize = 1024;
-pub const WINDOW_BYTES: u64 = 2 * 1024 * 1024;
+pub const WINDOW_BYTES: u64 = 8 * 1024 * 1024;
 /// One read from the store brings back at most this much.
 const READ_MESSAGES: usize = 512;
 const READ_BYTES: usize = 1024 * 1024;

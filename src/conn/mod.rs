@@ -93,6 +93,21 @@ pub async fn serve(
             continue;
         }
         session.published = false;
+        // Flow control: this client published into a queue past its window; wait for the
+        // store to take it before reading more.
+        if let (Some(ticket), Some(committer)) = (session.throttle.take(), &shared.committer) {
+            while committer.written.load(Ordering::Acquire) < ticket {
+                let progress = committer.progress.notified();
+                if committer.written.load(Ordering::Acquire) >= ticket {
+                    break;
+                }
+                tokio::select! {
+                    _ = progress => {}
+                    _ = writer_done.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                }
+            }
+        }
         if outbox.len() > OUTBOX_HIGH_WATER {
             tokio::select! {
                 _ = outbox.drained.notified() => {}
@@ -139,6 +154,7 @@ pub async fn serve(
                         let mut more = 0;
                         while matches!(next, Next::Continue) && more < 256 {
                             if outbox.len() > OUTBOX_HIGH_WATER
+                                || session.throttle.is_some()
                                 || (session.published && *disk_alarm.borrow())
                             {
                                 break;

@@ -126,6 +126,10 @@ pub struct Session {
     pub(crate) next_generation: u64,
     /// A basic.publish arrived since the connection task last looked (disk alarm blocking).
     pub(crate) published: bool,
+    /// A publish went to a queue past its in-memory window: read nothing more from this client
+    /// until the store has written up to this commit ticket (flow control: a publisher to a
+    /// deep queue goes at the speed of the disk, and staged messages stay bounded in memory).
+    pub(crate) throttle: Option<u64>,
     /// The client understands connection.blocked / unblocked (capability).
     pub(crate) blocked_capability: bool,
 }
@@ -202,6 +206,7 @@ impl Session {
             commit_waits: VecDeque::new(),
             next_generation: 1,
             published: false,
+            throttle: None,
             blocked_capability: false,
         }
     }

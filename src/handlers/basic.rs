@@ -228,8 +228,11 @@ impl Session {
             }
             return Ok(());
         }
-        let rejected = self.route_message(ch, msg, mandatory)?;
+        let (rejected, staged) = self.route_message(ch, msg, mandatory)?;
         let ticket = self.ctx.last_ticket.take();
+        if staged {
+            self.throttle = ticket.or(self.throttle);
+        }
         let chan = self.chan(ch)?;
         if chan.confirm {
             chan.publish_seq += 1;
@@ -254,13 +257,14 @@ impl Session {
     }
 
     /// Enqueue a message; unroutable mandatory messages come back as basic.return.
-    /// Returns whether a queue refused the message (x-overflow reject-publish).
+    /// Returns whether a queue refused the message (x-overflow reject-publish), and whether a
+    /// queue staged it past its in-memory window.
     pub(crate) fn route_message(
         &mut self,
         ch: u16,
         msg: Arc<Message>,
         mandatory: bool,
-    ) -> Result<bool, AmqpError> {
+    ) -> Result<(bool, bool), AmqpError> {
         core(&self.shared, &mut self.ctx, |b, fx| {
             let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
             if outcome.routed == 0 && mandatory {
@@ -275,7 +279,7 @@ impl Session {
                     &msg,
                 );
             }
-            Ok(outcome.rejected)
+            Ok((outcome.rejected, outcome.staged))
         })
         .map_err(|e: AmqpError| e.on(60, 40))
     }
