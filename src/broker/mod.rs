@@ -223,7 +223,8 @@ pub struct PublishOutcome {
     pub routed: usize,
     /// Some queue refused it (x-overflow reject-publish): the publisher gets a basic.nack.
     pub rejected: bool,
-    /// Some queue took it past its in-memory window (the publisher should wait for the store).
+    /// Some queue took it past its in-memory window and holds more than another window's worth
+    /// of such messages not yet written: the publisher should wait for the store.
     pub staged: bool,
 }
 
@@ -1862,7 +1863,7 @@ impl Broker {
             let staged = q.push(qm, self.journal_seq + 1);
             if staged {
                 self.staging.insert(*qid);
-                any_staged = true;
+                any_staged |= q.pressure();
             }
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.

@@ -326,6 +326,12 @@ impl Queue {
         self.levels.iter().any(|l| !l.staged.is_empty())
     }
 
+    /// More is staged in memory than a second window's worth: the store is behind the
+    /// publishers (who should wait for it, see `PublishOutcome::staged`).
+    pub fn pressure(&self) -> bool {
+        self.mem_count > 2 * WINDOW_MESSAGES || self.mem_bytes > 2 * WINDOW_BYTES
+    }
+
     /// Staged messages whose journal batch is written are on disk: drop them from memory.
     fn release_written(&mut self, level: usize) {
         let Some(pager) = &self.pager else {
