@@ -21,10 +21,11 @@
 //! Tuning, and why:
 //! - One LRU block cache shared by every column family, and one write-buffer manager capping all
 //!   memtables together (memory follows the data in flight, not the number of queues).
-//! - `messages` gets a larger write buffer (16 MiB): it takes every message write; a message
-//!   acked before its memtable is flushed never reaches an SST file. Block cache 24 MiB and
-//!   memtables 32 MiB in all keep the store's share of a deep queue's memory under ~60 MB
-//!   (the S5 benchmark: 1,000,000 messages waiting, peak RSS in the README).
+//! - `messages` gets a larger write buffer (8 MiB): it takes every message write; a message
+//!   acked before its memtable is flushed never reaches an SST file. Block cache 16 MiB and
+//!   memtables 24 MiB in all keep the store's share of a deep queue's memory near 40 MB (the
+//!   S5 benchmark: 1,000,000 messages waiting then drained, peak RSS in the README; smaller
+//!   budgets than these did not change S2's rate).
 //! - Level compaction (the default): queues are appended at the tail and deleted at the head;
 //!   level compaction reclaims the deleted ranges steadily.
 //! - Sync writes are RocksDB's WAL fsync; the committer batches many ops into one write, so one
@@ -52,10 +53,10 @@ const MESSAGES: &str = "messages";
 const SHARED: &str = "shared";
 
 /// Memory the store may use for block cache and memtables (each), across all queues.
-const BLOCK_CACHE_BYTES: usize = 24 * 1024 * 1024;
-const MEMTABLE_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+const BLOCK_CACHE_BYTES: usize = 16 * 1024 * 1024;
+const MEMTABLE_BUDGET_BYTES: usize = 24 * 1024 * 1024;
 const CF_WRITE_BUFFER_BYTES: usize = 4 * 1024 * 1024;
-const MESSAGES_WRITE_BUFFER_BYTES: usize = 16 * 1024 * 1024;
+const MESSAGES_WRITE_BUFFER_BYTES: usize = 8 * 1024 * 1024;
 
 pub struct RocksStore {
     db: Db,
