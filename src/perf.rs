@@ -18,7 +18,7 @@ use hdrhistogram::Histogram;
 use parking_lot::Mutex;
 use serde::Serialize;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
@@ -86,6 +86,13 @@ pub struct PerfArgs {
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Consumers that have subscribed (producers start after all of them).
+#[derive(Default)]
+struct Ready {
+    count: AtomicUsize,
+    notify: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -357,6 +364,7 @@ async fn produce(
     stats: Arc<Stats>,
     start: Instant,
     stop: Arc<AtomicBool>,
+    ready: Arc<Ready>,
 ) -> anyhow::Result<()> {
     let mut c = Client::connect(&t).await?;
     let confirming = args.confirm > 0;
@@ -444,6 +452,18 @@ async fn produce(
             }
         })
     };
+    // Publish once every consumer has subscribed (as PerfTest does), so that the first
+    // messages' latency is not the time the consumers took to connect.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ready.count.load(Ordering::Acquire) < args.consumers && Instant::now() < deadline {
+        let notified = ready.notify.notified();
+        if ready.count.load(Ordering::Acquire) >= args.consumers {
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(50), notified).await;
+    }
+    // The rate schedule starts now.
+    let begun = Instant::now();
     let mut sent = 0u64;
     let limit = args.count.unwrap_or(u64::MAX);
     let batch = 64u64;
@@ -467,7 +487,7 @@ async fn produce(
             // aligned either).
             let phase = n as f64 / args.producers.max(1) as f64;
             let due = Duration::from_secs_f64((sent as f64 + phase) / args.rate as f64);
-            let elapsed = start.elapsed();
+            let elapsed = begun.elapsed();
             if due > elapsed {
                 tokio::time::sleep(due - elapsed).await;
             }
@@ -514,6 +534,7 @@ async fn consume(
     start: Instant,
     hist: Arc<Mutex<Histogram<u64>>>,
     done: Arc<AtomicBool>,
+    ready: Arc<Ready>,
 ) -> anyhow::Result<()> {
     let mut c = Client::connect(&t).await?;
     if args.prefetch > 0 {
@@ -540,6 +561,8 @@ async fn consume(
         );
     }
     c.flush().await?;
+    ready.count.fetch_add(1, Ordering::AcqRel);
+    ready.notify.notify_waiters();
     // In a drain-only run the bodies carry another run's send times: no latency.
     let measure_latency = args.producers > 0;
     let mut local = Histogram::<u64>::new(3)?;
@@ -647,6 +670,7 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicBool::new(false));
     let start = Instant::now();
+    let ready = Arc::new(Ready::default());
     let mut consumers = Vec::new();
     for n in 0..args.consumers {
         consumers.push(tokio::spawn(consume(
@@ -657,6 +681,7 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
             start,
             hist.clone(),
             done.clone(),
+            ready.clone(),
         )));
     }
     let mut producers = Vec::new();
@@ -668,6 +693,7 @@ pub async fn run(args: PerfArgs) -> anyhow::Result<Summary> {
             stats.clone(),
             start,
             stop.clone(),
+            ready.clone(),
         )));
     }
     // Per-second report while publishing.
