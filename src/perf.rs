@@ -526,6 +526,7 @@ async fn produce(
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn consume(
     t: Arc<Target>,
     args: Arc<PerfArgs>,
