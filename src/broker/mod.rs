@@ -223,8 +223,10 @@ pub struct PublishOutcome {
     pub routed: usize,
     /// Some queue refused it (x-overflow reject-publish): the publisher gets a basic.nack.
     pub rejected: bool,
-    /// Some queue took it past its in-memory window and holds more than another window's worth
-    /// of such messages not yet written: the publisher should wait for the store.
+    /// Some queue took it past its in-memory window and either has consumers (they are behind:
+    /// the publisher should slow down to them rather than make the queue page) or holds more
+    /// than another window's worth of such messages not yet written. The publisher should wait
+    /// for the store to have it.
     pub staged: bool,
 }
 
@@ -1863,7 +1865,7 @@ impl Broker {
             let staged = q.push(qm, self.journal_seq + 1);
             if staged {
                 self.staging.insert(*qid);
-                any_staged |= q.pressure();
+                any_staged |= q.pressure() || !q.consumers.is_empty();
             }
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.
