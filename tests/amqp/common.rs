@@ -352,3 +352,39 @@ impl Raw {
         }
     }
 }
+
+/// The real `warren` binary, started on `data` (a free loopback port, extra server arguments),
+/// once it accepts connections.
+pub struct Binary {
+    pub child: std::process::Child,
+    pub url: String,
+}
+
+pub async fn spawn_binary(data: &std::path::Path, extra: &[&str]) -> Binary {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+        .args(["server", "--amqp-listen", &format!("127.0.0.1:{port}")])
+        .args(extra)
+        .arg("--data-dir")
+        .arg(data)
+        .env("WARREN_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("start warren");
+    let deadline = tokio::time::Instant::now() + WAIT * 2;
+    while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "warren did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Binary {
+        child,
+        url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+    }
+}

@@ -1,47 +1,17 @@
 //! Issue 3 point 3: SIGKILL at random moments loses no confirmed message. Runs the real
 //! `warren` binary, bounded in rounds and time.
 
-use crate::common::WAIT;
+use crate::common::{spawn_binary, Binary, WAIT};
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-struct Broker {
-    child: Child,
-    url: String,
-}
-
-async fn spawn(data: &Path) -> Broker {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(env!("CARGO_BIN_EXE_warren"))
-        .args(["server", "--amqp-listen", &format!("127.0.0.1:{port}")])
-        .arg("--data-dir")
-        .arg(data)
-        .env("WARREN_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start warren");
-    let url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
-    let deadline = tokio::time::Instant::now() + WAIT * 2;
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "warren did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    Broker { child, url }
+async fn spawn(data: &Path) -> Binary {
+    spawn_binary(data, &[]).await
 }
 
 async fn channel(url: &str) -> (Connection, lapin::Channel) {

@@ -4,13 +4,13 @@
 //! broker stays up and answers other clients, takes publishes again once space returns, and
 //! after a restart holds every message it confirmed.
 
-use crate::common::WAIT;
+use crate::common::{spawn_binary, WAIT};
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 struct Mount(std::path::PathBuf);
@@ -22,32 +22,8 @@ impl Drop for Mount {
 }
 
 async fn spawn(data: &Path) -> (Child, String) {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let child = Command::new(env!("CARGO_BIN_EXE_warren"))
-        .args(["server", "--amqp-listen", &format!("127.0.0.1:{port}")])
-        .args(["--disk-free-limit", "0"])
-        .arg("--data-dir")
-        .arg(data)
-        .env("WARREN_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start warren");
-    let deadline = tokio::time::Instant::now() + WAIT * 2;
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "warren did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    (child, format!("amqp://guest:guest@127.0.0.1:{port}/%2f"))
+    let b = spawn_binary(data, &["--disk-free-limit", "0"]).await;
+    (b.child, b.url)
 }
 
 /// Bodies that do not compress: id, then pseudo-random bytes.
