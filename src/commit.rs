@@ -139,10 +139,8 @@ impl Drop for Committer {
 /// Whether an op must be on disk before its effect is confirmed (acks need not be: losing one
 /// in a crash means a redelivery, which at-least-once allows).
 fn needs_sync(op: &Op) -> bool {
-    !matches!(
-        op,
-        Op::Remove { .. } | Op::Spill { .. } | Op::RemoveRange { .. }
-    )
+    // RemoveRange is a purge (its purge-ok waits for the sync); Spill is never synced.
+    !matches!(op, Op::Remove { .. } | Op::Spill { .. })
 }
 
 impl Committer {

@@ -578,7 +578,7 @@ impl Broker {
         for id in &self.expiring {
             match self.queues.get_mut(id) {
                 Some(q) => {
-                    let n = q.drop_expired(now);
+                    let n = q.drop_expired_reading(now, 1);
                     if n > 0 {
                         dropped += n;
                         self.dirty.push(*id);

@@ -557,14 +557,24 @@ impl Queue {
     /// only: a message behind one with a longer TTL waits). `now` is in ms; a message expiring
     /// at `now` is gone. Dropped messages go to `dropped`. Returns how many went.
     pub fn drop_expired(&mut self, now: u64) -> usize {
+        self.drop_expired_reading(now, usize::MAX)
+    }
+
+    /// Like `drop_expired`, reading at most `reads` batches per level from the store: the
+    /// expiry tick takes a large expired backlog a batch at a time (it comes back every 50 ms)
+    /// rather than all at once under the broker lock. Before a delivery the whole expired head
+    /// must go, so the delivery paths use `drop_expired`.
+    pub fn drop_expired_reading(&mut self, now: u64, reads: usize) -> usize {
         let mut n = 0;
         for level in (0..self.levels.len()).rev() {
+            let mut refills = 0;
             loop {
                 if self.levels[level].mem.is_empty() {
-                    if !self.levels[level].paged() || !self.disk_may_expire {
+                    if refills >= reads || !self.levels[level].paged() || !self.disk_may_expire {
                         break;
                     }
                     self.refill(level);
+                    refills += 1;
                 }
                 match self.levels[level].mem.front().map(|h| h.expires_at) {
                     Some(Some(at)) if at <= now => {

@@ -348,6 +348,30 @@ impl RocksStore {
         walk(&self.path)
     }
 
+    /// Count the references to shared bodies again from what is stored (after a failed write
+    /// left the in-memory counts unsure).
+    fn recount_refs(&self) -> Result<(), StoreError> {
+        let shared = self.shared()?;
+        let mut counts: HashMap<u64, u32> = HashMap::new();
+        for item in self.db.iterator_cf(&shared, IteratorMode::Start) {
+            let (k, _) = item.map_err(|e| self.err(e))?;
+            counts.insert(self.message_key(&k)?, 0);
+        }
+        let messages = self.messages()?;
+        for item in self.db.iterator_cf(&messages, IteratorMode::Start) {
+            let (k, v) = item.map_err(|e| self.err(e))?;
+            if v.len() == 1 && v[0] == SHARED_TAG && k.len() >= 8 {
+                let key = self.message_key(&k[k.len() - 8..])?;
+                if let Some(n) = counts.get_mut(&key_id(key)) {
+                    *n += 1;
+                }
+            }
+        }
+        counts.retain(|_, n| *n > 0);
+        *self.refs() = counts;
+        Ok(())
+    }
+
     /// Bodies stored once for several queues that are still referred to.
     pub fn shared_bodies(&self) -> usize {
         self.refs().len()
@@ -434,6 +458,41 @@ type Scan = (Vec<u8>, bool, Vec<(u64, u64)>);
 
 impl Store for RocksStore {
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+        let shares = !self.refs().is_empty()
+            || ops
+                .iter()
+                .any(|op| matches!(op, Op::Enqueue { queues, .. } if queues.len() > 1));
+        let result = self.write_ops(ops, sync);
+        if result.is_err() && shares {
+            // The reference counts were changed while the batch was built; what reached the
+            // disk is the truth: count again (a count left too low would delete a body that a
+            // queue still refers to).
+            if let Err(e) = self.recount_refs() {
+                tracing::error!(error = %e, "recounting shared message references failed");
+            }
+        }
+        result
+    }
+
+    fn recover(&self) -> Result<Recovered, StoreError> {
+        self.recover_all()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        self.read_range(vhost, queue, from, to, max_count, max_bytes)
+    }
+}
+
+impl RocksStore {
+    fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
         let meta = self.meta()?;
         let messages = self.messages()?;
         let shared = self.shared()?;
@@ -645,7 +704,7 @@ impl Store for RocksStore {
         b.finish(self, sync)
     }
 
-    fn recover(&self) -> Result<Recovered, StoreError> {
+    fn recover_all(&self) -> Result<Recovered, StoreError> {
         let mut ops = Vec::new();
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
@@ -724,16 +783,20 @@ impl Store for RocksStore {
                 .map_err(|e| self.corrupt(e.to_string()))?
             {
                 MessageEntry::Whole(m) => entries.push((key, m.body.len() as u64)),
-                MessageEntry::Shared => {
-                    let (n, size) = sizes.get_mut(&key_id(key)).ok_or_else(|| {
-                        self.corrupt(format!(
-                            "a queue refers to shared message {} which is missing",
-                            key_id(key)
-                        ))
-                    })?;
-                    *n += 1;
-                    entries.push((key, *size));
-                }
+                MessageEntry::Shared => match sizes.get_mut(&key_id(key)) {
+                    Some((n, size)) => {
+                        *n += 1;
+                        entries.push((key, *size));
+                    }
+                    None => {
+                        // Nothing to deliver: say so and drop the dangling reference.
+                        tracing::error!(
+                            id = key_id(key),
+                            "a queue refers to a shared message body that is missing; dropped"
+                        );
+                        cleanup.delete_cf(&messages, &k);
+                    }
+                },
                 MessageEntry::Spilled(_) => cleanup.delete_cf(&messages, &k),
             }
         }
@@ -766,7 +829,7 @@ impl Store for RocksStore {
         })
     }
 
-    fn read(
+    fn read_range(
         &self,
         vhost: &str,
         queue: &str,
@@ -848,5 +911,61 @@ impl RocksStore {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn declare(name: &str) -> Op {
+        Op::DeclareQueue {
+            vhost: "/".into(),
+            name: name.into(),
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: Bytes::from_static(&[0, 0, 0, 0]),
+        }
+    }
+
+    fn fanned(id: u64) -> Op {
+        Op::Enqueue {
+            vhost: "/".into(),
+            queues: vec![("a".into(), 0), ("b".into(), 0)],
+            id,
+            timestamp_ms: 0,
+            exchange: "".into(),
+            routing_key: "".into(),
+            properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"shared"),
+        }
+    }
+
+    /// Reference counts that went wrong (a write that failed after they were changed) are
+    /// counted again from the disk, and a reference whose body is missing does not stop
+    /// start-up: it is dropped, loudly.
+    #[test]
+    fn reference_counts_come_from_the_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        s.write(&[declare("a"), declare("b"), fanned(1), fanned(2)], true)
+            .unwrap();
+        // As if a Remove had failed after lowering the count.
+        s.refs().insert(1, 1);
+        s.recount_refs().unwrap();
+        assert_eq!(s.refs().get(&1), Some(&2));
+        // A body gone while references remain (what a too-low count would have caused).
+        s.db.delete_cf(&s.shared().unwrap(), 2u64.to_be_bytes())
+            .unwrap();
+        drop(s);
+        let s = RocksStore::open(dir.path()).unwrap();
+        let rec = s.recover().unwrap();
+        let a = rec.queues.iter().find(|q| q.name == "a").unwrap();
+        assert_eq!(a.levels.iter().map(|l| l.count).sum::<u64>(), 1);
+        let got = s.read("/", "b", 0, u64::MAX, 10, usize::MAX).unwrap();
+        assert_eq!(got.iter().map(|m| m.key).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(s.shared_bodies(), 1);
     }
 }
