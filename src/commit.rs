@@ -49,21 +49,21 @@ pub struct Stats {
 /// Returns how many messages were dropped.
 fn cancel_acked(ops: &mut Vec<Op>) -> u64 {
     use std::collections::HashMap;
-    let mut stored: HashMap<u64, usize> = HashMap::new();
-    let mut cancel: Vec<bool> = vec![false; ops.len()];
-    let mut any_remove = false;
-    for (i, op) in ops.iter().enumerate() {
-        match op {
-            Op::Enqueue { queues, id, .. } if queues.len() == 1 => {
-                stored.insert(warren_storage::message_key(queues[0].1, *id), i);
-            }
-            Op::Remove { .. } => any_remove = true,
-            _ => {}
-        }
-    }
-    if stored.is_empty() || !any_remove {
+    if !ops.iter().any(|op| matches!(op, Op::Remove { .. })) {
         return 0;
     }
+    let mut stored: HashMap<u64, usize> = HashMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        if let Op::Enqueue { queues, id, .. } = op {
+            if queues.len() == 1 {
+                stored.insert(warren_storage::message_key(queues[0].1, *id), i);
+            }
+        }
+    }
+    if stored.is_empty() {
+        return 0;
+    }
+    let mut cancel: Vec<bool> = vec![false; ops.len()];
     let mut n = 0;
     for i in 0..ops.len() {
         let (head, tail) = ops.split_at_mut(i);

@@ -1861,7 +1861,6 @@ impl Broker {
                 returns: 0,
                 stored,
             };
-            let key = q.store_key(&qm);
             let staged = q.push(qm, self.journal_seq + 1);
             if staged {
                 self.staging.insert(*qid);
@@ -1873,7 +1872,7 @@ impl Broker {
                 self.journal.push(Op::Spill {
                     vhost: q.vhost.clone(),
                     queue: q.name.clone(),
-                    key,
+                    key: warren_storage::message_key(q.level(&msg) as u8, id),
                     timestamp_ms: at,
                     exchange: msg.exchange.as_str().to_string(),
                     routing_key: msg.routing_key.as_str().to_string(),

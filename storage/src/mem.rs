@@ -123,31 +123,15 @@ impl Store for MemStore {
                     });
                 }
                 Op::Enqueue {
-                    vhost,
-                    queues,
-                    id,
-                    timestamp_ms,
-                    exchange,
-                    routing_key,
-                    properties,
-                    body,
+                    vhost, queues, id, ..
                 } => {
+                    let Some(record) = op.message_record() else {
+                        continue;
+                    };
                     // Bodies are `Bytes`: every queue shares the one copy.
                     for (q, level) in queues {
                         if let Some(m) = s.messages.get_mut(&key(vhost, q)) {
-                            m.insert(
-                                crate::message_key(*level, *id),
-                                (
-                                    MessageRecord {
-                                        timestamp_ms: *timestamp_ms,
-                                        exchange: exchange.clone(),
-                                        routing_key: routing_key.clone(),
-                                        properties: properties.clone(),
-                                        body: body.clone(),
-                                    },
-                                    false,
-                                ),
-                            );
+                            m.insert(crate::message_key(*level, *id), (record.clone(), false));
                         }
                     }
                 }
@@ -162,25 +146,14 @@ impl Store for MemStore {
                     vhost,
                     queue,
                     key: k,
-                    timestamp_ms,
-                    exchange,
-                    routing_key,
-                    properties,
-                    body,
+                    ..
                 } => {
-                    s.messages.entry(key(vhost, queue)).or_default().insert(
-                        *k,
-                        (
-                            MessageRecord {
-                                timestamp_ms: *timestamp_ms,
-                                exchange: exchange.clone(),
-                                routing_key: routing_key.clone(),
-                                properties: properties.clone(),
-                                body: body.clone(),
-                            },
-                            true,
-                        ),
-                    );
+                    if let Some(record) = op.message_record() {
+                        s.messages
+                            .entry(key(vhost, queue))
+                            .or_default()
+                            .insert(*k, (record, true));
+                    }
                 }
                 Op::RemoveRange {
                     vhost,

@@ -123,6 +123,37 @@ impl Op {
     }
 }
 
+impl Op {
+    /// The stored form of the message an `Enqueue` or `Spill` carries.
+    pub fn message_record(&self) -> Option<crate::codec::MessageRecord> {
+        match self {
+            Op::Enqueue {
+                timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+                ..
+            }
+            | Op::Spill {
+                timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+                ..
+            } => Some(crate::codec::MessageRecord {
+                timestamp_ms: *timestamp_ms,
+                exchange: exchange.clone(),
+                routing_key: routing_key.clone(),
+                properties: properties.clone(),
+                body: body.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
 // Ops rebuilt from stored records (recovery).
 
 pub(crate) fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::ExchangeRecord) -> Op {

@@ -610,23 +610,9 @@ impl RocksStore {
                     b.logged(self)?.delete_cf(&meta, key.encode());
                 }
                 Op::Enqueue {
-                    vhost,
-                    queues,
-                    id,
-                    timestamp_ms,
-                    exchange,
-                    routing_key,
-                    properties,
-                    body,
+                    vhost, queues, id, ..
                 } => {
-                    let value = MessageRecord {
-                        timestamp_ms: *timestamp_ms,
-                        exchange: exchange.clone(),
-                        routing_key: routing_key.clone(),
-                        properties: properties.clone(),
-                        body: body.clone(),
-                    }
-                    .encode();
+                    let value = op.message_record().map(|m| m.encode()).unwrap_or_default();
                     let batch = b.logged(self)?;
                     if let [(q, level)] = &queues[..] {
                         let key = crate::message_key(*level, *id);
@@ -671,14 +657,7 @@ impl RocksStore {
                     self.remove_range(&mut b, &queue_prefix(vhost, queue), *from, *to)?;
                 }
                 Op::Spill {
-                    vhost,
-                    queue,
-                    key,
-                    timestamp_ms,
-                    exchange,
-                    routing_key,
-                    properties,
-                    body,
+                    vhost, queue, key, ..
                 } => {
                     let k = message_key_bytes(&queue_prefix(vhost, queue), *key);
                     let mut refs = self.refs();
@@ -688,14 +667,10 @@ impl RocksStore {
                         *n += 1;
                         batch.put_cf(&messages, k, [SHARED_TAG]);
                     } else {
-                        let value = MessageRecord {
-                            timestamp_ms: *timestamp_ms,
-                            exchange: exchange.clone(),
-                            routing_key: routing_key.clone(),
-                            properties: properties.clone(),
-                            body: body.clone(),
-                        }
-                        .encode_spilled();
+                        let value = op
+                            .message_record()
+                            .map(|m| m.encode_spilled())
+                            .unwrap_or_default();
                         batch.put_cf(&messages, k, value);
                     }
                 }
