@@ -261,7 +261,7 @@ mod tests {
             exchange: "".into(),
             routing_key: "".into(),
             properties: Bytes::new(),
-            body: Bytes::new(),
+            body: Bytes::new().into(),
         }
     }
 

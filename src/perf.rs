@@ -13,6 +13,7 @@
 use amq_protocol::protocol::{basic, channel, confirm, connection, exchange, queue, AMQPClass};
 use amq_protocol::types::FieldTable;
 use anyhow::{bail, Context};
+use bytes::Bytes;
 use futures::StreamExt;
 use hdrhistogram::Histogram;
 use parking_lot::Mutex;
@@ -25,7 +26,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 use tokio_util::codec::FramedRead;
-use warren_protocol::{Frame, FrameCodec, OutBuffer, PROTOCOL_HEADER};
+use warren_protocol::{Body, Frame, FrameCodec, OutBuffer, PROTOCOL_HEADER};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct PerfArgs {
@@ -228,7 +229,7 @@ impl Client {
     }
 
     async fn flush(&mut self) -> anyhow::Result<()> {
-        self.wr.write_all(self.out.as_slice()).await?;
+        self.wr.write_all_buf(&mut self.out).await?;
         self.out.clear();
         Ok(())
     }
@@ -399,13 +400,14 @@ async fn produce(
                     ..Default::default()
                 })),
             );
-            template.as_slice().to_vec()
+            template.to_vec()
         })
         .collect();
     let props =
         basic::AMQPProperties::default().with_delivery_mode(if args.persistent { 2 } else { 1 });
     let raw_props = warren_protocol::codec::encode_properties(&props);
     let mut body = vec![0u8; args.size.max(8)];
+    let shared_rest = Bytes::copy_from_slice(&body[8..]);
     let mut rng = XorShift::new(n as u64);
     let frame_max = c.frame_max;
     let Client {
@@ -500,9 +502,20 @@ async fn produce(
                 rng.fill(&mut body[8..]);
             }
             out.raw(&publish_frames[(k % publish_frames.len() as u64) as usize]);
-            out.content(1, &raw_props, &body, frame_max);
+            if body.len() >= warren_protocol::codec::SHARE_MIN {
+                // Large bodies: the stamp in a part of its own, the rest shared, not copied.
+                let rest = if args.random_body {
+                    Bytes::copy_from_slice(&body[8..])
+                } else {
+                    shared_rest.clone()
+                };
+                let parts = vec![Bytes::copy_from_slice(&body[..8]), rest];
+                out.content(1, &raw_props, &Body::from_parts(parts), frame_max);
+            } else {
+                out.content_slice(1, &raw_props, &body, frame_max);
+            }
         }
-        wr.write_all(out.as_slice()).await?;
+        wr.write_all_buf(&mut out).await?;
         out.clear();
         sent += room;
         stats.published.fetch_add(room, Ordering::Relaxed);

@@ -1,8 +1,9 @@
 //! The publish → content header → body* state machine of one channel.
 
+use crate::body::Body;
 use crate::reply::{AmqpError, ReplyCode};
 use amq_protocol::protocol::basic::{AMQPProperties, Publish};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 
 /// One complete published message as it came off the wire.
 #[derive(Debug, Clone)]
@@ -11,7 +12,7 @@ pub struct Content {
     pub properties: AMQPProperties,
     /// The encoded property flags and list, as the publisher sent them.
     pub raw_properties: Bytes,
-    pub body: Bytes,
+    pub body: Body,
 }
 
 #[derive(Debug, Default)]
@@ -24,10 +25,10 @@ enum State {
         properties: Box<AMQPProperties>,
         raw_properties: Bytes,
         expected: u64,
-        /// First body frame kept as is (the common single-frame case costs no copy).
-        first: Option<Bytes>,
-        /// Later frames are appended here.
-        rest: BytesMut,
+        /// Bytes received so far.
+        have: u64,
+        /// The body frames' payloads, kept as they are (see [`Body`]).
+        parts: Vec<Bytes>,
     },
 }
 
@@ -107,7 +108,7 @@ impl ContentAssembler {
                 publish,
                 properties,
                 raw_properties,
-                body: Bytes::new(),
+                body: Body::new(),
             }));
         }
         self.state = State::AwaitingBody {
@@ -115,8 +116,8 @@ impl ContentAssembler {
             properties: Box::new(properties),
             raw_properties,
             expected: body_size,
-            first: None,
-            rest: BytesMut::new(),
+            have: 0,
+            parts: Vec::new(),
         };
         Ok(None)
     }
@@ -124,8 +125,8 @@ impl ContentAssembler {
     pub fn body(&mut self, data: Bytes) -> Result<Option<Content>, AmqpError> {
         let State::AwaitingBody {
             expected,
-            first,
-            rest,
+            have,
+            parts,
             ..
         } = &mut self.state
         else {
@@ -134,51 +135,27 @@ impl ContentAssembler {
             }
             return Err(self.unexpected());
         };
-        let have = if rest.is_empty() {
-            first.as_ref().map_or(0, |b| b.len())
-        } else {
-            rest.len()
-        };
-        if (have + data.len()) as u64 > *expected {
+        let got = *have + data.len() as u64;
+        if got > *expected {
             return Err(AmqpError::connection(
                 ReplyCode::FrameError,
-                format!(
-                    "content body exceeds declared size {} (got at least {})",
-                    expected,
-                    have + data.len()
-                ),
+                format!("content body exceeds declared size {expected} (got at least {got})"),
             ));
         }
-        match first {
-            None => *first = Some(data),
-            Some(f) => {
-                if rest.is_empty() {
-                    rest.reserve(*expected as usize);
-                    rest.extend_from_slice(f);
-                }
-                rest.extend_from_slice(&data);
-            }
+        *have = got;
+        if !data.is_empty() {
+            parts.push(data);
         }
-        let have = if rest.is_empty() {
-            first.as_ref().map_or(0, |b| b.len())
-        } else {
-            rest.len()
-        };
-        if have as u64 == *expected {
+        if got == *expected {
             if let State::AwaitingBody {
                 publish,
                 properties,
                 raw_properties,
-                first,
-                rest,
+                parts,
                 ..
             } = std::mem::take(&mut self.state)
             {
-                let body = if rest.is_empty() {
-                    first.unwrap_or_default()
-                } else {
-                    rest.freeze()
-                };
+                let body = Body::from_parts(parts);
                 return Ok(Some(Content {
                     publish,
                     properties: *properties,
@@ -218,7 +195,12 @@ mod tests {
         assert!(a.body(Bytes::from_static(b"ab")).unwrap().is_none());
         assert!(a.body(Bytes::from_static(b"cd")).unwrap().is_none());
         let c = a.body(Bytes::from_static(b"ef")).unwrap().unwrap();
-        assert_eq!(&c.body[..], b"abcdef");
+        assert_eq!(c.body, &b"abcdef"[..]);
+        assert_eq!(
+            c.body.parts().len(),
+            3,
+            "body frames are kept, not concatenated"
+        );
         assert!(a.is_idle());
     }
 

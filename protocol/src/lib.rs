@@ -6,6 +6,7 @@
 //! shared [`bytes::Bytes`] (so a message is never re-encoded on its way through the broker), the
 //! publish → header → body state machine, and typed reply codes.
 
+pub mod body;
 pub mod codec;
 pub mod content;
 pub mod reply;
@@ -13,6 +14,7 @@ pub mod reply;
 pub use amq_protocol;
 pub use amq_protocol::protocol::{AMQPClass, BasicProperties};
 pub use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+pub use body::Body;
 pub use codec::{Frame, FrameCodec, FrameError, OutBuffer, PROTOCOL_HEADER};
 pub use content::{Content, ContentAssembler};
 pub use reply::{AmqpError, ReplyCode};

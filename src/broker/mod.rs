@@ -37,7 +37,7 @@ pub struct Message {
     pub properties: AMQPProperties,
     /// Encoded properties exactly as published; sent unchanged on delivery.
     pub raw_properties: Bytes,
-    pub body: Bytes,
+    pub body: warren_protocol::Body,
     /// The `expiration` property, parsed (ms).
     pub expiration: Option<u64>,
 }
@@ -293,7 +293,7 @@ pub(crate) fn stored_message(
     exchange: &str,
     routing_key: &str,
     properties: Bytes,
-    body: Bytes,
+    body: warren_protocol::Body,
 ) -> Result<Message, AmqpError> {
     let parsed = amq_protocol::protocol::basic::parse_properties(&properties[..])
         .map(|(_, p)| p)

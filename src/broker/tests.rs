@@ -9,7 +9,7 @@ fn msg(exchange: &str, key: &str, body: &str) -> Arc<Message> {
         routing_key: key.into(),
         properties: AMQPProperties::default(),
         raw_properties: Bytes::from_static(&[0, 0]),
-        body: Bytes::copy_from_slice(body.as_bytes()),
+        body: Bytes::copy_from_slice(body.as_bytes()).into(),
         expiration: None,
     })
 }
@@ -41,7 +41,7 @@ fn delivered(fx: &[Effect]) -> Vec<(String, u64, bool, String)> {
                 consumer_tag.to_string(),
                 *delivery_tag,
                 *redelivered,
-                String::from_utf8_lossy(&msg.body).into_owned(),
+                String::from_utf8_lossy(&msg.body.to_bytes()).into_owned(),
             )),
             _ => None,
         })
@@ -160,7 +160,7 @@ fn requeued_messages_return_to_their_place_marked_redelivered() {
     let mut order = Vec::new();
     while let Some(g) = b.get(c, 1, "/", "q", true).unwrap() {
         order.push((
-            String::from_utf8_lossy(&g.msg.body).into_owned(),
+            String::from_utf8_lossy(&g.msg.body.to_bytes()).into_owned(),
             g.redelivered,
         ));
     }
@@ -434,7 +434,7 @@ fn ops_replay_to_the_same_state() {
             exchange: "logs".into(),
             routing_key: "a.b".into(),
             properties: Bytes::from_static(&[0, 0]),
-            body: Bytes::from_static(b"hello"),
+            body: Bytes::from_static(b"hello").into(),
         },
     ];
     let mut b = Broker::new();
@@ -447,9 +447,9 @@ fn ops_replay_to_the_same_state() {
     let c = b.connection_open("/");
     b.channel_open(c, 1);
     let first = b.get(c, 1, "/", "q", true).unwrap().unwrap();
-    assert_eq!(&first.msg.body[..], b"hello");
+    assert_eq!(first.msg.body, b"hello");
     let second = b.get(c, 1, "/", "q", true).unwrap().unwrap();
-    assert_eq!(&second.msg.body[..], b"x");
+    assert_eq!(second.msg.body, b"x");
 }
 
 #[test]

@@ -230,11 +230,13 @@ async fn write_loop(
     loop {
         outbox.take(&mut local);
         if !local.is_empty() {
-            if let Err(e) = wr.write_all(local.as_slice()).await {
+            let len = local.len();
+            // A vectored write: large bodies go from the message's memory to the socket.
+            if let Err(e) = wr.write_all_buf(&mut local).await {
                 debug!(error = %e, "write failed");
                 break;
             }
-            since_refill += local.len();
+            since_refill += len;
             local.clear();
             last_write = Instant::now();
             outbox.drained.notify_waiters();

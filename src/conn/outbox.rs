@@ -117,8 +117,7 @@ impl Outbox {
         let mut held = self.held.lock();
         let mut buf = self.buf.lock();
         if held.active {
-            into.raw(&buf.as_slice()[..held.from]);
-            buf.consume(held.from);
+            buf.move_front(held.from, into);
             held.from = 0;
             self.len.store(buf.len(), Ordering::Release);
         } else {

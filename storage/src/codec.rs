@@ -196,7 +196,7 @@ pub struct MessageRecord {
     pub exchange: String,
     pub routing_key: String,
     pub properties: Bytes,
-    pub body: Bytes,
+    pub body: warren_protocol::Body,
 }
 
 /// How a message sits in a queue's keyspace: the first byte of its value says.
@@ -252,7 +252,9 @@ impl MessageRecord {
         put_str(&mut b, self.exchange.as_bytes());
         put_str(&mut b, self.routing_key.as_bytes());
         put_str(&mut b, &self.properties);
-        b.put_slice(&self.body);
+        for part in self.body.parts() {
+            b.put_slice(part);
+        }
         b.freeze()
     }
 
@@ -271,7 +273,7 @@ impl MessageRecord {
             exchange: get_string(&mut b)?,
             routing_key: get_string(&mut b)?,
             properties: get_bytes(&mut b)?,
-            body: b,
+            body: b.into(),
         })
     }
 }
@@ -287,7 +289,7 @@ mod tests {
             exchange: "x".into(),
             routing_key: "k".into(),
             properties: Bytes::from_static(&[0, 0]),
-            body: Bytes::from_static(b"hi"),
+            body: Bytes::from_static(b"hi").into(),
         };
         assert_eq!(
             &m.encode()[..],
@@ -296,7 +298,17 @@ mod tests {
                 b'h', b'i'
             ]
         );
-        assert_eq!(MessageRecord::decode(m.encode()), Ok(m));
+        assert_eq!(MessageRecord::decode(m.encode()), Ok(m.clone()));
+        // A body kept as the publisher's frames is stored as the same bytes.
+        let parts = MessageRecord {
+            body: warren_protocol::Body::from_parts(vec![
+                Bytes::from_static(b"h"),
+                Bytes::from_static(b"i"),
+            ]),
+            ..m.clone()
+        };
+        assert_eq!(parts.encode(), m.encode());
+        assert_eq!(MessageRecord::decode(parts.encode()), Ok(parts));
         let q = QueueRecord {
             durable: true,
             exclusive: false,
@@ -328,7 +340,7 @@ mod tests {
             exchange: "".into(),
             routing_key: "q".into(),
             properties: Bytes::new(),
-            body: Bytes::from_static(b"b"),
+            body: Bytes::from_static(b"b").into(),
         };
         assert_eq!(m.encode_spilled()[0], 3);
         assert_eq!(

@@ -61,7 +61,7 @@ pub struct StoredMessage {
     pub exchange: String,
     pub routing_key: String,
     pub properties: bytes::Bytes,
-    pub body: bytes::Bytes,
+    pub body: warren_protocol::Body,
 }
 
 /// What a queue holds on disk at one priority level: `count` messages with keys from `first`

@@ -4,6 +4,7 @@
 //! position, and a tag is never renumbered.
 
 use bytes::Bytes;
+pub use warren_protocol::Body;
 
 /// What a binding points at.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -68,7 +69,7 @@ pub enum Op {
         exchange: String,
         routing_key: String,
         properties: Bytes,
-        body: Bytes,
+        body: Body,
     },
     /// Messages acknowledged (or dropped) from one queue, by key (`message_key`).
     Remove {
@@ -92,7 +93,7 @@ pub enum Op {
         exchange: String,
         routing_key: String,
         properties: Bytes,
-        body: Bytes,
+        body: Body,
     },
     /// The messages of a queue with keys from `from` to `to` (inclusive) go.
     RemoveRange {

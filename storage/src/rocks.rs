@@ -914,7 +914,7 @@ mod tests {
             exchange: "".into(),
             routing_key: "".into(),
             properties: Bytes::from_static(&[0, 0]),
-            body: Bytes::from_static(b"shared"),
+            body: Bytes::from_static(b"shared").into(),
         }
     }
 

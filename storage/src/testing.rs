@@ -33,7 +33,7 @@ fn enqueue(queues: &[&str], id: u64, body: &str) -> Op {
         exchange: "x".into(),
         routing_key: "k".into(),
         properties: Bytes::from_static(&[0, 0]),
-        body: Bytes::copy_from_slice(body.as_bytes()),
+        body: Bytes::copy_from_slice(body.as_bytes()).into(),
     }
 }
 
@@ -47,10 +47,12 @@ fn messages(s: &dyn Store, queue: &str) -> Vec<(u64, String)> {
             return out;
         };
         from = last.key + 1;
-        out.extend(
-            got.iter()
-                .map(|m| (m.key, String::from_utf8_lossy(&m.body).into_owned())),
-        );
+        out.extend(got.iter().map(|m| {
+            (
+                m.key,
+                String::from_utf8_lossy(&m.body.to_bytes()).into_owned(),
+            )
+        }));
     }
 }
 
@@ -63,7 +65,7 @@ fn spill(queue: &str, key: u64, body: &str) -> Op {
         exchange: "".into(),
         routing_key: queue.into(),
         properties: Bytes::from_static(&[0, 0]),
-        body: Bytes::copy_from_slice(body.as_bytes()),
+        body: Bytes::copy_from_slice(body.as_bytes()).into(),
     }
 }
 
@@ -293,7 +295,7 @@ fn levels_spills_and_ranges(open: &dyn Fn() -> Box<dyn Store>) {
                 exchange: "".into(),
                 routing_key: "p".into(),
                 properties: args(),
-                body: Bytes::from_static(b"high"),
+                body: Bytes::from_static(b"high").into(),
             },
             enqueue(&["p"], 2, "low"),
             spill("p", 3, "spilled-low"),
@@ -421,7 +423,7 @@ mod tests {
                     exchange: "".into(),
                     routing_key: "".into(),
                     properties: Bytes::from_static(&[0, 0]),
-                    body: next_body(),
+                    body: next_body().into(),
                 })
                 .collect();
             s.write(&ops, true).unwrap();

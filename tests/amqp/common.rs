@@ -185,7 +185,7 @@ impl Raw {
     pub async fn send(&mut self, channel: u16, method: AMQPClass) {
         let mut out = OutBuffer::new();
         out.method(channel, &method);
-        self.send_bytes(out.as_slice()).await;
+        self.send_bytes(&out.to_vec()).await;
     }
 
     /// Raw bytes until EOF or [`WAIT`] (used for the protocol header answer).
@@ -316,7 +316,7 @@ impl Raw {
                     ));
                     let mut out = OutBuffer::new();
                     out.method(0, &ok);
-                    let _ = self.stream.write_all(out.as_slice()).await;
+                    let _ = self.stream.write_all(&out.to_vec()).await;
                     return c;
                 }
                 Some(_) => continue,

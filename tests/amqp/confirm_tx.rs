@@ -32,9 +32,9 @@ async fn every_publish_is_confirmed_with_its_sequence_number() {
                 ..Default::default()
             })),
         );
-        out.content(1, &[0, 0], b"m", 131072);
+        out.content_slice(1, &[0, 0], b"m", 131072);
     }
-    raw.send_bytes(out.as_slice()).await;
+    raw.send_bytes(&out.to_vec()).await;
     let mut confirmed = 0u64;
     while confirmed < 50 {
         match raw.recv_method().await {
@@ -59,8 +59,8 @@ async fn every_publish_is_confirmed_with_its_sequence_number() {
     )
     .await;
     let mut out = OutBuffer::new();
-    out.content(1, &[0, 0], b"m", 131072);
-    raw.send_bytes(out.as_slice()).await;
+    out.content_slice(1, &[0, 0], b"m", 131072);
+    raw.send_bytes(&out.to_vec()).await;
     match raw.recv_method().await {
         Some((1, AMQPClass::Basic(basic::AMQPMethod::Ack(a)))) => {
             assert_eq!((a.delivery_tag, a.multiple), (51, false));

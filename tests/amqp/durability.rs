@@ -448,8 +448,8 @@ async fn low_disk_space_blocks_publishers_until_it_recovers() {
                 ..Default::default()
             })),
         );
-        out.content(1, &[0, 0], body, 131072);
-        out.as_slice().to_vec()
+        out.content_slice(1, &[0, 0], body, 131072);
+        out.to_vec()
     };
     raw.send_bytes(&publish(b"first")).await;
     match raw.recv_method().await {

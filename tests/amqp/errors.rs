@@ -94,7 +94,7 @@ async fn bad_frame_end_is_501() {
         1,
         &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
     );
-    let mut bytes = out.as_slice().to_vec();
+    let mut bytes = out.to_vec();
     let last = bytes.len() - 1;
     bytes[last] = 0x00;
     raw.send_bytes(&bytes).await;
@@ -144,8 +144,8 @@ async fn undecodable_message_properties_are_502() {
     props.extend_from_slice(&(table.len() as u32).to_be_bytes());
     props.extend_from_slice(&table);
     let mut out = OutBuffer::new();
-    out.content(1, &props, b"x", 131072);
-    raw.send_bytes(out.as_slice()).await;
+    out.content_slice(1, &props, b"x", 131072);
+    raw.send_bytes(&out.to_vec()).await;
     let close = expect_hard(&mut raw, 502).await;
     assert!(
         close.reply_text.as_str().starts_with("SYNTAX_ERROR"),
@@ -208,8 +208,8 @@ async fn content_header_without_publish_is_505() {
     let mut raw = Raw::handshake(server.addr).await;
     raw.open_channel(1).await;
     let mut out = OutBuffer::new();
-    out.content(1, &[0, 0], b"orphan", 131072);
-    raw.send_bytes(out.as_slice()).await;
+    out.content_slice(1, &[0, 0], b"orphan", 131072);
+    raw.send_bytes(&out.to_vec()).await;
     let close = expect_hard(&mut raw, 505).await;
     assert_eq!(
         close.reply_text.as_str(),
