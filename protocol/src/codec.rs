@@ -11,7 +11,7 @@
 use crate::body::Body;
 use amq_protocol::frame::parsing::parse_content_header;
 use amq_protocol::frame::WriteContext;
-use amq_protocol::protocol::{basic::AMQPProperties, constants, parse_class, AMQPClass};
+use amq_protocol::protocol::{basic, basic::AMQPProperties, constants, parse_class, AMQPClass};
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::io::IoSlice;
@@ -94,11 +94,47 @@ impl From<std::io::Error> for FrameError {
 #[derive(Debug)]
 pub struct FrameCodec {
     pub frame_max: u32,
+    /// The last basic.publish payload and what amq-protocol parsed it to. Publishers send the
+    /// same publish method (exchange, routing key, flags) message after message; parsing it
+    /// costs four heap allocations (amq-protocol builds its flag names as strings), a clone of
+    /// the parsed method one per non-empty name.
+    last_publish: Option<(Vec<u8>, basic::Publish)>,
 }
+
+/// Publish payloads longer than this are not remembered (a short string is at most 255 bytes;
+/// two of them plus the fixed fields fit).
+const PUBLISH_MEMO_MAX: usize = 600;
 
 impl FrameCodec {
     pub fn new(frame_max: u32) -> Self {
-        FrameCodec { frame_max }
+        FrameCodec {
+            frame_max,
+            last_publish: None,
+        }
+    }
+
+    /// Parse a method payload, reusing the last basic.publish when the bytes are the same.
+    fn method(&mut self, payload: &Bytes) -> Result<AMQPClass, FrameError> {
+        if !payload.starts_with(&[0, 60, 0, 40]) {
+            return parse_method(payload);
+        }
+        if let Some((raw, publish)) = &self.last_publish {
+            if raw[..] == payload[..] {
+                return Ok(AMQPClass::Basic(basic::AMQPMethod::Publish(
+                    publish.clone(),
+                )));
+            }
+        }
+        let class = parse_method(payload)?;
+        if let AMQPClass::Basic(basic::AMQPMethod::Publish(p)) = &class {
+            if payload.len() <= PUBLISH_MEMO_MAX {
+                let mut raw = self.last_publish.take().map(|(v, _)| v).unwrap_or_default();
+                raw.clear();
+                raw.extend_from_slice(payload);
+                self.last_publish = Some((raw, p.clone()));
+            }
+        }
+        Ok(class)
     }
 }
 
@@ -221,7 +257,7 @@ impl Decoder for FrameCodec {
             });
         }
         let frame = match frame_type {
-            constants::FRAME_METHOD => Frame::Method(channel, parse_method(&payload)?),
+            constants::FRAME_METHOD => Frame::Method(channel, self.method(&payload)?),
             constants::FRAME_HEADER => {
                 let header = parse_content_header(&payload[..])
                     .map_err(|_| FrameError::BadHeader {
@@ -382,6 +418,21 @@ impl OutBuffer {
         b.extend_from_slice(&exchange.as_bytes()[..x]);
         b.put_u8(k as u8);
         b.extend_from_slice(&routing_key.as_bytes()[..k]);
+        b.put_u8(constants::FRAME_END);
+    }
+
+    /// basic.ack (a publisher confirm), written directly for the same reason as `deliver`:
+    /// amq-protocol's generator allocates three times for its one flag. Checked against it in
+    /// the tests below.
+    pub fn ack(&mut self, channel: u16, delivery_tag: u64, multiple: bool) {
+        let b = &mut self.tail;
+        b.reserve(13 + FRAME_OVERHEAD);
+        b.put_u8(constants::FRAME_METHOD);
+        b.put_u16(channel);
+        b.put_u32(13);
+        b.extend_from_slice(&[0, 60, 0, 80]);
+        b.put_u64(delivery_tag);
+        b.put_u8(multiple as u8);
         b.put_u8(constants::FRAME_END);
     }
 
@@ -654,6 +705,40 @@ mod tests {
     }
 
     #[test]
+    fn repeated_publishes_decode_the_same_as_fresh_ones() {
+        let publish = |key: &str, mandatory: bool| {
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: "x".into(),
+                routing_key: key.into(),
+                mandatory,
+                ..Default::default()
+            }))
+        };
+        let sequence = [
+            publish("a", false),
+            publish("a", false),
+            publish("a", true),
+            publish("b", true),
+            declare(),
+            publish("b", true),
+            publish("a", false),
+        ];
+        let mut bytes = Vec::new();
+        for m in &sequence {
+            bytes.extend(encode(m));
+        }
+        let mut codec = FrameCodec::new(0);
+        let mut buf = BytesMut::from(&bytes[..]);
+        for m in &sequence {
+            assert_eq!(
+                codec.decode(&mut buf),
+                Ok(Some(Frame::Method(1, m.clone())))
+            );
+        }
+        assert!(buf.is_empty());
+    }
+
+    #[test]
     fn oversize_frame_is_rejected_before_buffering() {
         let mut codec = FrameCodec::new(4096);
         let mut buf = BytesMut::from(&[3u8, 0, 1, 0, 1, 0, 0][..]);
@@ -762,6 +847,23 @@ mod tests {
                 .into_inner()
                 .0;
             assert_eq!(hand.to_vec(), whole);
+        }
+    }
+
+    #[test]
+    fn hand_written_ack_matches_amq_protocol() {
+        for (tag, multiple) in [(1u64, false), (1 << 40, true), (u64::MAX, false)] {
+            let mut hand = OutBuffer::new();
+            hand.ack(9, tag, multiple);
+            let mut generated = OutBuffer::new();
+            generated.method(
+                9,
+                &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                    delivery_tag: tag,
+                    multiple,
+                })),
+            );
+            assert_eq!(hand.to_vec(), generated.to_vec(), "{tag} {multiple}");
         }
     }
 

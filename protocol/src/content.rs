@@ -27,8 +27,10 @@ enum State {
         expected: u64,
         /// Bytes received so far.
         have: u64,
-        /// The body frames' payloads, kept as they are (see [`Body`]).
-        parts: Vec<Bytes>,
+        /// The body frames' payloads, kept as they are (see [`Body`]); the first apart, so the
+        /// common single-frame body costs no allocation.
+        first: Bytes,
+        more: Vec<Bytes>,
     },
 }
 
@@ -83,7 +85,7 @@ impl ContentAssembler {
         &mut self,
         class_id: u16,
         body_size: u64,
-        properties: AMQPProperties,
+        properties: Box<AMQPProperties>,
         raw_properties: Bytes,
     ) -> Result<Option<Content>, AmqpError> {
         let publish = match std::mem::take(&mut self.state) {
@@ -106,18 +108,19 @@ impl ContentAssembler {
         if body_size == 0 {
             return Ok(Some(Content {
                 publish,
-                properties,
+                properties: *properties,
                 raw_properties,
                 body: Body::new(),
             }));
         }
         self.state = State::AwaitingBody {
             publish,
-            properties: Box::new(properties),
+            properties,
             raw_properties,
             expected: body_size,
             have: 0,
-            parts: Vec::new(),
+            first: Bytes::new(),
+            more: Vec::new(),
         };
         Ok(None)
     }
@@ -126,7 +129,8 @@ impl ContentAssembler {
         let State::AwaitingBody {
             expected,
             have,
-            parts,
+            first,
+            more,
             ..
         } = &mut self.state
         else {
@@ -143,19 +147,27 @@ impl ContentAssembler {
             ));
         }
         *have = got;
-        if !data.is_empty() {
-            parts.push(data);
+        if first.is_empty() {
+            *first = data;
+        } else if !data.is_empty() {
+            more.push(data);
         }
         if got == *expected {
             if let State::AwaitingBody {
                 publish,
                 properties,
                 raw_properties,
-                parts,
+                first,
+                mut more,
                 ..
             } = std::mem::take(&mut self.state)
             {
-                let body = Body::from_parts(parts);
+                let body = if more.is_empty() {
+                    Body::from(first)
+                } else {
+                    more.insert(0, first);
+                    Body::from_parts(more)
+                };
                 return Ok(Some(Content {
                     publish,
                     properties: *properties,
@@ -184,12 +196,7 @@ mod tests {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
         assert!(a
-            .header(
-                60,
-                6,
-                AMQPProperties::default(),
-                Bytes::from_static(&[0, 0])
-            )
+            .header(60, 6, Box::default(), Bytes::from_static(&[0, 0]))
             .unwrap()
             .is_none());
         assert!(a.body(Bytes::from_static(b"ab")).unwrap().is_none());
@@ -209,12 +216,7 @@ mod tests {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
         let c = a
-            .header(
-                60,
-                0,
-                AMQPProperties::default(),
-                Bytes::from_static(&[0, 0]),
-            )
+            .header(60, 0, Box::default(), Bytes::from_static(&[0, 0]))
             .unwrap()
             .unwrap();
         assert!(c.body.is_empty());
@@ -225,9 +227,7 @@ mod tests {
         let mut a = ContentAssembler::default();
         let e = a.body(Bytes::from_static(b"x")).unwrap_err();
         assert_eq!(e.code, ReplyCode::UnexpectedFrame);
-        let e = a
-            .header(60, 1, AMQPProperties::default(), Bytes::new())
-            .unwrap_err();
+        let e = a.header(60, 1, Box::default(), Bytes::new()).unwrap_err();
         assert_eq!(e.code, ReplyCode::UnexpectedFrame);
         a.publish(publish()).unwrap();
         assert_eq!(
@@ -240,8 +240,7 @@ mod tests {
     fn oversize_body_is_rejected() {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
-        a.header(60, 2, AMQPProperties::default(), Bytes::new())
-            .unwrap();
+        a.header(60, 2, Box::default(), Bytes::new()).unwrap();
         assert!(a.body(Bytes::from_static(b"abc")).is_err());
     }
 }

@@ -146,7 +146,7 @@ impl Exchange {
         &'a self,
         routing_key: &str,
         headers: Option<&FieldTable>,
-        out: &mut Vec<&'a Dest>,
+        out: &mut impl Extend<&'a Dest>,
     ) {
         match self.kind {
             ExchangeKind::Direct => {

@@ -21,6 +21,7 @@ use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use bytes::Bytes;
 use exchange::{Dest, Exchange, ExchangeKind};
 use queue::{ConsumerKey, DropReason, Overflow, Queue, QueueConsumer, QueuedMessage};
+use smallvec::SmallVec;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use warren_protocol::AmqpError;
@@ -28,6 +29,8 @@ use warren_storage::{BindingDest, Op};
 
 pub type ConnId = u64;
 pub type QueueId = u64;
+/// The queues one message goes to: inline (no allocation) for up to 8.
+pub type Targets = SmallVec<[QueueId; 8]>;
 
 /// A published message, shared (not copied) by every queue it was routed to.
 #[derive(Debug)]
@@ -748,6 +751,7 @@ impl Broker {
             expiration: None,
         };
         // A missing dead-letter exchange drops the message silently, as RabbitMQ.
+        let keys: SmallVec<[&str; 4]> = keys.iter().map(String::as_str).collect();
         let Ok(targets) = self.route_keys(&vhost, &dlx, &keys, &msg, false) else {
             return;
         };
@@ -842,7 +846,7 @@ impl Broker {
             let key = ConsumerKey {
                 conn,
                 channel: ch,
-                tag: consumer.tag.to_string(),
+                tag: consumer.tag.clone(),
             };
             if let Some(q) = self.queues.get_mut(&consumer.queue) {
                 q.remove_consumer(&key);
@@ -1621,10 +1625,6 @@ impl Broker {
         let cc = deadletter::header_keys(headers, "CC");
         let bcc = deadletter::header_keys(headers, "BCC");
         let has_bcc = headers.is_some_and(|h| h.contains_key("BCC"));
-        let mut keys = Vec::with_capacity(1 + cc.len() + bcc.len());
-        keys.push(msg.routing_key.as_str().to_string());
-        keys.extend(cc);
-        keys.extend(bcc);
         let msg = if has_bcc {
             let mut h = headers.map(|h| h.inner().clone()).unwrap_or_default();
             h.remove("BCC");
@@ -1654,7 +1654,12 @@ impl Broker {
                 });
             }
         }
-        let targets = self.route_keys(vhost, msg.exchange.as_str(), &keys, &msg, true)?;
+        let targets = {
+            let mut keys: SmallVec<[&str; 4]> = SmallVec::new();
+            keys.push(msg.routing_key.as_str());
+            keys.extend(cc.iter().chain(&bcc).map(String::as_str));
+            self.route_keys(vhost, msg.exchange.as_str(), &keys, &msg, true)?
+        };
         let outcome = self.deliver(vhost, &targets, msg, fx);
         self.settle(fx);
         Ok(outcome)
@@ -1674,7 +1679,7 @@ impl Broker {
         let total = targets.len();
         let size = msg.body.len() as u64;
         let mut rejected = false;
-        let mut accepted: Vec<QueueId> = Vec::with_capacity(targets.len());
+        let mut accepted = Targets::new();
         for t in targets {
             let Some(q) = self.queues.get_mut(t) else {
                 continue;
@@ -1729,19 +1734,8 @@ impl Broker {
     }
 
     /// The queues a message goes to (each once), following exchange-to-exchange bindings.
-    pub fn route(
-        &self,
-        vhost: &str,
-        exchange: &str,
-        msg: &Message,
-    ) -> Result<Vec<QueueId>, AmqpError> {
-        self.route_keys(
-            vhost,
-            exchange,
-            &[msg.routing_key.as_str().to_string()],
-            msg,
-            true,
-        )
+    pub fn route(&self, vhost: &str, exchange: &str, msg: &Message) -> Result<Targets, AmqpError> {
+        self.route_keys(vhost, exchange, &[msg.routing_key.as_str()], msg, true)
     }
 
     /// Route with several routing keys (CC/BCC, dead-lettering); each queue once. The internal
@@ -1750,15 +1744,15 @@ impl Broker {
         &self,
         vhost: &str,
         exchange: &str,
-        keys: &[String],
+        keys: &[&str],
         msg: &Message,
         check_internal: bool,
-    ) -> Result<Vec<QueueId>, AmqpError> {
-        let mut all = Vec::new();
+    ) -> Result<Targets, AmqpError> {
+        let mut all = Targets::new();
         for key in keys {
-            all.extend(self.route_one(vhost, exchange, key, msg, check_internal)?);
+            self.route_one(vhost, exchange, key, msg, check_internal, &mut all)?;
         }
-        if keys.len() > 1 {
+        if all.len() > 1 {
             all.sort_unstable();
             all.dedup();
         }
@@ -1772,7 +1766,8 @@ impl Broker {
         key: &str,
         msg: &Message,
         check_internal: bool,
-    ) -> Result<Vec<QueueId>, AmqpError> {
+        queues: &mut Targets,
+    ) -> Result<(), AmqpError> {
         let v = self.vhost(vhost)?;
         let Some(x) = v.exchanges.get(exchange) else {
             return Err(AmqpError::not_found(format!(
@@ -1786,17 +1781,18 @@ impl Broker {
                 xname(vhost, exchange)
             )));
         }
-        let mut queues: Vec<QueueId> = Vec::new();
         if exchange.is_empty() {
             if let Some(&id) = v.queues.get(key) {
                 queues.push(id);
             }
-            return Ok(queues);
+            return Ok(());
         }
         let headers = msg.properties.headers().as_ref();
-        let mut visited: Vec<&str> = vec![exchange];
-        let mut pending: Vec<&Exchange> = vec![x];
-        let mut dests: Vec<&Dest> = Vec::new();
+        let mut visited: SmallVec<[&str; 4]> = SmallVec::new();
+        visited.push(exchange);
+        let mut pending: SmallVec<[&Exchange; 4]> = SmallVec::new();
+        pending.push(x);
+        let mut dests: SmallVec<[&Dest; 16]> = SmallVec::new();
         while let Some(x) = pending.pop() {
             dests.clear();
             x.route(key, headers, &mut dests);
@@ -1828,9 +1824,7 @@ impl Broker {
                 }
             }
         }
-        queues.sort_unstable();
-        queues.dedup();
-        Ok(queues)
+        Ok(())
     }
 
     /// Put a message (published at `at` ms) into queues and hand it to consumers.
@@ -1965,7 +1959,7 @@ impl Broker {
         let prefetch = state.prefetch_consumer;
         let arc_tag: Arc<str> = Arc::from(tag.as_str());
         state.consumers.push(Consumer {
-            tag: arc_tag,
+            tag: arc_tag.clone(),
             queue: id,
             no_ack,
             prefetch,
@@ -1974,7 +1968,7 @@ impl Broker {
         let key = ConsumerKey {
             conn,
             channel: ch,
-            tag: tag.clone(),
+            tag: arc_tag,
         };
         let now = self.now_ms;
         if let Some(q) = self.queues.get_mut(&id) {
@@ -2087,7 +2081,7 @@ impl Broker {
         let key = ConsumerKey {
             conn,
             channel: ch,
-            tag: tag.to_string(),
+            tag: c.tag.clone(),
         };
         if let Some(q) = self.queues.get_mut(&c.queue) {
             q.remove_consumer(&key);

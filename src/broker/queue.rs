@@ -107,7 +107,8 @@ pub enum Overflow {
 pub struct ConsumerKey {
     pub conn: ConnId,
     pub channel: u16,
-    pub tag: String,
+    /// Shared with the channel's consumer record: cloning a key costs no allocation.
+    pub tag: std::sync::Arc<str>,
 }
 
 /// A consumer as the queue sees it.

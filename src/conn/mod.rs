@@ -67,6 +67,8 @@ pub async fn serve(
     let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
     session.start();
     let mut frames = FramedRead::new(rd, FrameCodec::new(shared.config.frame_max));
+    // Decodes the frames already buffered (below), keeping its own memo of the last publish.
+    let mut inline = FrameCodec::new(shared.config.frame_max);
     let mut disk_alarm = shared.disk_alarm.subscribe();
     let mut last_recv = Instant::now();
     // Set when we sent connection.close and wait for close-ok.
@@ -160,8 +162,8 @@ pub async fn serve(
                                 break;
                             }
                             // The negotiated frame_max applies from tune-ok on.
-                            let mut codec = FrameCodec::new(session.frame_max());
-                            match codec.decode(frames.read_buffer_mut()) {
+                            inline.frame_max = session.frame_max();
+                            match inline.decode(frames.read_buffer_mut()) {
                                 Ok(Some(frame)) => next = session.handle(frame),
                                 Ok(None) => break,
                                 Err(e) => {

@@ -108,6 +108,11 @@ impl Outbox {
         });
     }
 
+    /// A publisher confirm.
+    pub fn ack(&self, channel: u16, delivery_tag: u64, multiple: bool) {
+        self.with(|b| b.ack(channel, delivery_tag, multiple));
+    }
+
     pub fn heartbeat(&self) {
         self.with(|b| b.heartbeat());
     }

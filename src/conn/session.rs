@@ -272,7 +272,7 @@ impl Session {
                 properties,
                 raw_properties,
             } => {
-                self.content_header(channel, class_id, body_size, *properties, raw_properties)?;
+                self.content_header(channel, class_id, body_size, properties, raw_properties)?;
                 Ok(Next::Continue)
             }
             Frame::Body(ch, data) => {
@@ -454,13 +454,7 @@ impl Session {
                     }
                     other => {
                         let end = other.map_or(upto, |f| f - 1);
-                        self.outbox.method(
-                            *ch,
-                            &AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
-                                delivery_tag: end,
-                                multiple: end - chan.acked_upto > 1,
-                            })),
-                        );
+                        self.outbox.ack(*ch, end, end - chan.acked_upto > 1);
                         chan.acked_upto = end;
                     }
                 }
@@ -524,7 +518,7 @@ impl Session {
         ch: u16,
         class_id: u16,
         body_size: u64,
-        properties: AMQPProperties,
+        properties: Box<AMQPProperties>,
         raw_properties: Bytes,
     ) -> Result<(), AmqpError> {
         let max = self.shared.config.max_message_size;

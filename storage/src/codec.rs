@@ -230,6 +230,30 @@ impl MessageEntry {
     }
 }
 
+/// The stored value of a message (`tag` [`VERSION`] or [`SPILLED_TAG`]), from its fields
+/// (lets the store encode an op's message without building a record first).
+pub fn encode_message(
+    tag: u8,
+    timestamp_ms: u64,
+    exchange: &str,
+    routing_key: &str,
+    properties: &[u8],
+    body: &warren_protocol::Body,
+) -> Bytes {
+    let mut b = BytesMut::with_capacity(
+        32 + exchange.len() + routing_key.len() + properties.len() + body.len(),
+    );
+    b.put_u8(tag);
+    b.put_u64(timestamp_ms);
+    put_str(&mut b, exchange.as_bytes());
+    put_str(&mut b, routing_key.as_bytes());
+    put_str(&mut b, properties);
+    for part in body.parts() {
+        b.put_slice(part);
+    }
+    b.freeze()
+}
+
 impl MessageRecord {
     /// A spilled transient message (see [`MessageEntry::Spilled`]).
     pub fn encode_spilled(&self) -> Bytes {
@@ -241,21 +265,14 @@ impl MessageRecord {
     }
 
     fn encode_tagged(&self, tag: u8) -> Bytes {
-        let mut b = BytesMut::with_capacity(
-            32 + self.exchange.len()
-                + self.routing_key.len()
-                + self.properties.len()
-                + self.body.len(),
-        );
-        b.put_u8(tag);
-        b.put_u64(self.timestamp_ms);
-        put_str(&mut b, self.exchange.as_bytes());
-        put_str(&mut b, self.routing_key.as_bytes());
-        put_str(&mut b, &self.properties);
-        for part in self.body.parts() {
-            b.put_slice(part);
-        }
-        b.freeze()
+        encode_message(
+            tag,
+            self.timestamp_ms,
+            &self.exchange,
+            &self.routing_key,
+            &self.properties,
+            &self.body,
+        )
     }
 
     pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
@@ -308,6 +325,39 @@ mod tests {
             ..m.clone()
         };
         assert_eq!(parts.encode(), m.encode());
+        // The store encodes ops' messages directly: the same bytes as through a record.
+        for spill in [false, true] {
+            let op = if spill {
+                crate::Op::Spill {
+                    vhost: "/".into(),
+                    queue: "q".into(),
+                    key: 5,
+                    timestamp_ms: 1,
+                    exchange: "x".into(),
+                    routing_key: "k".into(),
+                    properties: m.properties.clone(),
+                    body: parts.body.clone(),
+                }
+            } else {
+                crate::Op::Enqueue {
+                    vhost: "/".into(),
+                    queues: vec![("q".into(), 0)],
+                    id: 5,
+                    timestamp_ms: 1,
+                    exchange: "x".into(),
+                    routing_key: "k".into(),
+                    properties: m.properties.clone(),
+                    body: parts.body.clone(),
+                }
+            };
+            let record = op.message_record().unwrap();
+            let expected = if spill {
+                record.encode_spilled()
+            } else {
+                record.encode()
+            };
+            assert_eq!(op.message_value(), Some(expected));
+        }
         assert_eq!(MessageRecord::decode(parts.encode()), Ok(parts));
         let q = QueueRecord {
             durable: true,

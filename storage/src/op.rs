@@ -126,6 +126,43 @@ impl Op {
 
 impl Op {
     /// The stored form of the message an `Enqueue` or `Spill` carries.
+    /// The stored value of an Enqueue or Spill's message, encoded straight from the op.
+    pub fn message_value(&self) -> Option<Bytes> {
+        match self {
+            Op::Enqueue {
+                timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+                ..
+            } => Some(crate::codec::encode_message(
+                crate::codec::VERSION,
+                *timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+            )),
+            Op::Spill {
+                timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+                ..
+            } => Some(crate::codec::encode_message(
+                crate::codec::SPILLED_TAG,
+                *timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+            )),
+            _ => None,
+        }
+    }
+
     pub fn message_record(&self) -> Option<crate::codec::MessageRecord> {
         match self {
             Op::Enqueue {

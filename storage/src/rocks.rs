@@ -77,12 +77,24 @@ impl std::fmt::Debug for RocksStore {
 /// queue's prefix is a prefix of another's).
 fn queue_prefix(vhost: &str, name: &str) -> Vec<u8> {
     let mut p = Vec::with_capacity(9 + vhost.len() + name.len() + 8);
+    put_queue_prefix(&mut p, vhost, name);
+    p
+}
+
+fn put_queue_prefix(p: &mut Vec<u8>, vhost: &str, name: &str) {
     p.push(b'm');
     p.extend_from_slice(&(vhost.len() as u32).to_be_bytes());
     p.extend_from_slice(vhost.as_bytes());
     p.extend_from_slice(&(name.len() as u32).to_be_bytes());
     p.extend_from_slice(name.as_bytes());
-    p
+}
+
+/// A message's key written into `buf` (reused across a batch: no allocation per message).
+fn message_key_in<'a>(buf: &'a mut Vec<u8>, vhost: &str, name: &str, key: u64) -> &'a [u8] {
+    buf.clear();
+    put_queue_prefix(buf, vhost, name);
+    buf.extend_from_slice(&key.to_be_bytes());
+    buf
 }
 
 /// A message's key: its queue's prefix, then its key in the queue.
@@ -503,6 +515,7 @@ impl RocksStore {
         };
         // Bindings put earlier in this batch (a later delete in the batch must see them too).
         let mut added: Vec<BindingKey> = Vec::new();
+        let mut key_buf = Vec::new();
         for op in ops {
             match op {
                 Op::DeclareExchange {
@@ -612,13 +625,13 @@ impl RocksStore {
                 Op::Enqueue {
                     vhost, queues, id, ..
                 } => {
-                    let value = op.message_record().map(|m| m.encode()).unwrap_or_default();
+                    let value = op.message_value().unwrap_or_default();
                     let batch = b.logged(self)?;
                     if let [(q, level)] = &queues[..] {
                         let key = crate::message_key(*level, *id);
                         batch.put_cf(
                             &messages,
-                            message_key_bytes(&queue_prefix(vhost, q), key),
+                            message_key_in(&mut key_buf, vhost, q, key),
                             &value,
                         );
                     } else if queues.len() > 1 {
@@ -627,7 +640,7 @@ impl RocksStore {
                             let key = crate::message_key(*level, *id);
                             batch.put_cf(
                                 &messages,
-                                message_key_bytes(&queue_prefix(vhost, q), key),
+                                message_key_in(&mut key_buf, vhost, q, key),
                                 [SHARED_TAG],
                             );
                         }
@@ -659,7 +672,7 @@ impl RocksStore {
                 Op::Spill {
                     vhost, queue, key, ..
                 } => {
-                    let k = message_key_bytes(&queue_prefix(vhost, queue), *key);
+                    let k = message_key_in(&mut key_buf, vhost, queue, *key);
                     let mut refs = self.refs();
                     let batch = b.unlogged(self)?;
                     // A body stored for other queues already: refer to it.
@@ -667,10 +680,7 @@ impl RocksStore {
                         *n += 1;
                         batch.put_cf(&messages, k, [SHARED_TAG]);
                     } else {
-                        let value = op
-                            .message_record()
-                            .map(|m| m.encode_spilled())
-                            .unwrap_or_default();
+                        let value = op.message_value().unwrap_or_default();
                         batch.put_cf(&messages, k, value);
                     }
                 }
