@@ -48,11 +48,10 @@ pub struct Stats {
 /// group commit that stores them; their confirm still goes out after this write's fsync.)
 /// Returns how many messages were dropped.
 fn cancel_acked(ops: &mut Vec<Op>) -> u64 {
-    use std::collections::HashMap;
     if !ops.iter().any(|op| matches!(op, Op::Remove { .. })) {
         return 0;
     }
-    let mut stored: HashMap<u64, usize> = HashMap::new();
+    let mut stored: rustc_hash::FxHashMap<u64, usize> = Default::default();
     for (i, op) in ops.iter().enumerate() {
         if let Op::Enqueue { queues, id, .. } = op {
             if queues.len() == 1 {

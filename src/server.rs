@@ -6,7 +6,6 @@ use crate::config::Config;
 use crate::conn::{self, outbox::Outbox};
 use amq_protocol::protocol::{basic, AMQPClass};
 use parking_lot::{Mutex, RwLock};
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -22,7 +21,7 @@ pub struct Shared {
     /// The broker core. Lock order: broker → outboxes → one outbox. Never held across an await.
     pub broker: Mutex<Broker>,
     /// Where to send frames for each connection (deliveries produced by other connections).
-    pub outboxes: RwLock<HashMap<ConnId, Arc<Outbox>>>,
+    pub outboxes: RwLock<rustc_hash::FxHashMap<ConnId, Arc<Outbox>>>,
     /// Writes durable changes to the store (None: nothing is kept across restarts).
     pub committer: Option<Committer>,
     /// The free-disk-space threshold in force (starts at `config.disk_free_limit`; adjustable
@@ -79,7 +78,7 @@ impl Shared {
         Arc::new(Shared {
             config,
             broker: Mutex::new(Broker::new()),
-            outboxes: RwLock::new(HashMap::new()),
+            outboxes: RwLock::new(Default::default()),
             committer: None,
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
@@ -118,7 +117,7 @@ impl Shared {
         Ok(Arc::new(Shared {
             config,
             broker: Mutex::new(broker),
-            outboxes: RwLock::new(HashMap::new()),
+            outboxes: RwLock::new(Default::default()),
             committer: Some(committer),
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,

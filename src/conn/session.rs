@@ -9,7 +9,6 @@ use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
-use std::collections::HashMap;
 use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -115,7 +114,7 @@ pub struct Session {
     pub(crate) frame_max: u32,
     pub(crate) channel_max: u16,
     pub(crate) heartbeat: u16,
-    pub(crate) channels: HashMap<u16, Chan>,
+    pub(crate) channels: rustc_hash::FxHashMap<u16, Chan>,
     /// The client takes connection.close after a failed login (capability).
     pub(crate) auth_failure_close: bool,
     /// Effects buffer and commit reporting for core calls.
@@ -196,7 +195,7 @@ impl Session {
             frame_max,
             channel_max,
             heartbeat: 0,
-            channels: HashMap::new(),
+            channels: Default::default(),
             auth_failure_close: false,
             ctx: CoreCtx {
                 fx: Vec::new(),
