@@ -517,7 +517,7 @@ impl Session {
         ch: u16,
         class_id: u16,
         body_size: u64,
-        properties: Box<AMQPProperties>,
+        properties: AMQPProperties,
         raw_properties: Bytes,
     ) -> Result<(), AmqpError> {
         let max = self.shared.config.max_message_size;
