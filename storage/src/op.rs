@@ -128,6 +128,10 @@ impl Op {
     /// The stored form of the message an `Enqueue` or `Spill` carries.
     /// The stored value of an Enqueue or Spill's message, encoded straight from the op.
     pub fn message_value(&self) -> Option<Bytes> {
+        let tag = match self {
+            Op::Spill { .. } => crate::codec::SPILLED_TAG,
+            _ => crate::codec::VERSION,
+        };
         match self {
             Op::Enqueue {
                 timestamp_ms,
@@ -136,15 +140,8 @@ impl Op {
                 properties,
                 body,
                 ..
-            } => Some(crate::codec::encode_message(
-                crate::codec::VERSION,
-                *timestamp_ms,
-                exchange,
-                routing_key,
-                properties,
-                body,
-            )),
-            Op::Spill {
+            }
+            | Op::Spill {
                 timestamp_ms,
                 exchange,
                 routing_key,
@@ -152,7 +149,7 @@ impl Op {
                 body,
                 ..
             } => Some(crate::codec::encode_message(
-                crate::codec::SPILLED_TAG,
+                tag,
                 *timestamp_ms,
                 exchange,
                 routing_key,
