@@ -125,13 +125,8 @@ impl Op {
 }
 
 impl Op {
-    /// The stored form of the message an `Enqueue` or `Spill` carries.
-    /// The stored value of an Enqueue or Spill's message, encoded straight from the op.
-    pub fn message_value(&self) -> Option<Bytes> {
-        let tag = match self {
-            Op::Spill { .. } => crate::codec::SPILLED_TAG,
-            _ => crate::codec::VERSION,
-        };
+    /// The message an `Enqueue` or `Spill` carries, borrowed.
+    fn message(&self) -> Option<MessageRef<'_>> {
         match self {
             Op::Enqueue {
                 timestamp_ms,
@@ -148,45 +143,57 @@ impl Op {
                 properties,
                 body,
                 ..
-            } => Some(crate::codec::encode_message(
-                tag,
-                *timestamp_ms,
-                exchange,
-                routing_key,
-                properties,
-                body,
-            )),
-            _ => None,
-        }
-    }
-
-    pub fn message_record(&self) -> Option<crate::codec::MessageRecord> {
-        match self {
-            Op::Enqueue {
-                timestamp_ms,
-                exchange,
-                routing_key,
-                properties,
-                body,
-                ..
-            }
-            | Op::Spill {
-                timestamp_ms,
-                exchange,
-                routing_key,
-                properties,
-                body,
-                ..
-            } => Some(crate::codec::MessageRecord {
+            } => Some(MessageRef {
+                tag: if matches!(self, Op::Spill { .. }) {
+                    crate::codec::SPILLED_TAG
+                } else {
+                    crate::codec::VERSION
+                },
                 timestamp_ms: *timestamp_ms,
-                exchange: exchange.clone(),
-                routing_key: routing_key.clone(),
-                properties: properties.clone(),
-                body: body.clone(),
+                exchange,
+                routing_key,
+                properties,
+                body,
             }),
             _ => None,
         }
     }
+
+    /// The stored value of an `Enqueue`'s or `Spill`'s message, encoded straight from the op
+    /// (no record with copied names in between).
+    pub fn message_value(&self) -> Option<Bytes> {
+        self.message().map(|m| {
+            crate::codec::encode_message(
+                m.tag,
+                m.timestamp_ms,
+                m.exchange,
+                m.routing_key,
+                m.properties,
+                m.body,
+            )
+        })
+    }
+
+    /// The stored form of the message an `Enqueue` or `Spill` carries.
+    pub fn message_record(&self) -> Option<crate::codec::MessageRecord> {
+        self.message().map(|m| crate::codec::MessageRecord {
+            timestamp_ms: m.timestamp_ms,
+            exchange: m.exchange.to_string(),
+            routing_key: m.routing_key.to_string(),
+            properties: m.properties.clone(),
+            body: m.body.clone(),
+        })
+    }
+}
+
+/// A message inside an op, with the tag its stored value starts with.
+struct MessageRef<'a> {
+    tag: u8,
+    timestamp_ms: u64,
+    exchange: &'a str,
+    routing_key: &'a str,
+    properties: &'a Bytes,
+    body: &'a Body,
 }
 
 // Ops rebuilt from stored records (recovery).
