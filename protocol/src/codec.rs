@@ -383,12 +383,9 @@ impl OutBuffer {
         // 255 bytes): such a frame is dropped.
         if let Ok(ctx) = amq_protocol::protocol::gen_class(method)(WriteContext::from(scratch)) {
             let payload = ctx.into_inner().0;
-            let t = &mut self.tail;
-            t.put_u8(constants::FRAME_METHOD);
-            t.put_u16(channel);
-            t.put_u32(payload.len() as u32);
-            t.extend_from_slice(&payload);
-            t.put_u8(constants::FRAME_END);
+            self.frame_start(constants::FRAME_METHOD, channel, payload.len());
+            self.tail.extend_from_slice(&payload);
+            self.tail.put_u8(constants::FRAME_END);
             self.scratch = payload;
         }
     }
@@ -408,11 +405,8 @@ impl OutBuffer {
         let short = |s: &str| s.len().min(255);
         let (t, x, k) = (short(consumer_tag), short(exchange), short(routing_key));
         let size = 4 + 1 + t + 8 + 1 + 1 + x + 1 + k;
+        self.frame_start(constants::FRAME_METHOD, channel, size);
         let b = &mut self.tail;
-        b.reserve(size + FRAME_OVERHEAD);
-        b.put_u8(constants::FRAME_METHOD);
-        b.put_u16(channel);
-        b.put_u32(size as u32);
         b.extend_from_slice(&[0, 60, 0, 60]);
         b.put_u8(t as u8);
         b.extend_from_slice(&consumer_tag.as_bytes()[..t]);
@@ -429,11 +423,8 @@ impl OutBuffer {
     /// amq-protocol's generator allocates three times for its one flag. Checked against it in
     /// the tests below.
     pub fn ack(&mut self, channel: u16, delivery_tag: u64, multiple: bool) {
+        self.frame_start(constants::FRAME_METHOD, channel, 13);
         let b = &mut self.tail;
-        b.reserve(13 + FRAME_OVERHEAD);
-        b.put_u8(constants::FRAME_METHOD);
-        b.put_u16(channel);
-        b.put_u32(13);
         b.extend_from_slice(&[0, 60, 0, 80]);
         b.put_u64(delivery_tag);
         b.put_u8(multiple as u8);
@@ -455,22 +446,25 @@ impl OutBuffer {
     ) {
         self.content_header(channel, raw_properties, body.len());
         for part in body.chunks(body_chunk(frame_max)) {
-            let t = &mut self.tail;
-            t.put_u8(constants::FRAME_BODY);
-            t.put_u16(channel);
-            t.put_u32(part.len() as u32);
-            t.extend_from_slice(part);
-            t.put_u8(constants::FRAME_END);
+            self.frame_start(constants::FRAME_BODY, channel, part.len());
+            self.tail.extend_from_slice(part);
+            self.tail.put_u8(constants::FRAME_END);
         }
     }
 
-    fn content_header(&mut self, channel: u16, raw_properties: &[u8], body_size: usize) {
-        let header_size = (12 + raw_properties.len()) as u32;
+    /// A frame's type, channel and payload size. Room is reserved for a payload short enough
+    /// to be copied in; a longer one is shared (or, from `content_slice`, grows the buffer).
+    fn frame_start(&mut self, frame_type: u8, channel: u16, size: usize) {
         let t = &mut self.tail;
-        t.reserve(FRAME_OVERHEAD + header_size as usize);
-        t.put_u8(constants::FRAME_HEADER);
+        t.reserve(FRAME_OVERHEAD + if size < SHARE_MIN { size } else { 0 });
+        t.put_u8(frame_type);
         t.put_u16(channel);
-        t.put_u32(header_size);
+        t.put_u32(size as u32);
+    }
+
+    fn content_header(&mut self, channel: u16, raw_properties: &[u8], body_size: usize) {
+        self.frame_start(constants::FRAME_HEADER, channel, 12 + raw_properties.len());
+        let t = &mut self.tail;
         t.put_u16(60);
         t.put_u16(0);
         t.put_u64(body_size as u64);
@@ -485,10 +479,7 @@ impl OutBuffer {
         let mut reader = body.reader();
         while reader.has_remaining() {
             let size = reader.remaining().min(chunk);
-            let t = &mut self.tail;
-            t.put_u8(constants::FRAME_BODY);
-            t.put_u16(channel);
-            t.put_u32(size as u32);
+            self.frame_start(constants::FRAME_BODY, channel, size);
             let mut left = size;
             while left > 0 {
                 if reader.chunk().len().min(left) >= SHARE_MIN {
