@@ -28,6 +28,9 @@ pub struct Config {
     /// Block publishers (connection.blocked) while the data folder's file system has less free
     /// space than this (RabbitMQ's disk_free_limit, 50 MB by default).
     pub disk_free_limit: u64,
+    /// Flow control: how long a publisher waits for a queue's consumers to bring the queue
+    /// back under its in-memory window before the queue pages to the store instead.
+    pub flow_hold: Duration,
 }
 
 impl Default for Config {
@@ -44,6 +47,7 @@ impl Default for Config {
             handshake_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(3),
             consumer_timeout: None,
+            flow_hold: Duration::from_millis(100),
             disk_free_limit: 50_000_000,
         }
     }

@@ -112,6 +112,7 @@ impl Shared {
         broker.set_pager(crate::broker::queue::Pager {
             store,
             written: committer.written.clone(),
+            hold_max_ms: config.flow_hold.as_millis() as u64,
         });
         let limit = config.disk_free_limit;
         Ok(Arc::new(Shared {

@@ -20,7 +20,7 @@ use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
 use bytes::Bytes;
 use exchange::{Dest, Exchange, ExchangeKind};
-use queue::{ConsumerKey, DropReason, Overflow, Queue, QueueConsumer, QueuedMessage};
+use queue::{ConsumerKey, DropReason, Overflow, Pushed, Queue, QueueConsumer, QueuedMessage};
 // Maps keyed by the broker's own integer ids use FxHash (a multiply per lookup; SipHash was
 // 18 hashings per message in the profile). Maps keyed by client-chosen names keep std's keyed
 // SipHash, which resists collision flooding.
@@ -218,13 +218,16 @@ pub struct Broker {
     expirable: std::collections::BTreeSet<QueueId>,
     /// Direct reply-to addresses (`amq.rabbitmq.reply-to.<suffix>`) → the channel they reach.
     reply_to: HashMap<String, (ConnId, u16)>,
+    /// Woken when a queue that held publishers (`PublishOutcome::held`) is back under its
+    /// window.
+    pub drained: Arc<tokio::sync::Notify>,
 }
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
 pub const REPLY_TO: &str = "amq.rabbitmq.reply-to";
 
 /// What became of a publish.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PublishOutcome {
     /// Queues the message reached.
     pub routed: usize,
@@ -235,6 +238,9 @@ pub struct PublishOutcome {
     /// than another window's worth of such messages not yet written. The publisher should wait
     /// for the store to have it.
     pub staged: bool,
+    /// Queues that kept it in memory past their window because their consumers are behind:
+    /// the publisher should wait until `Broker::holding` says otherwise (at most `Config::flow_hold`).
+    pub held: Targets,
 }
 
 impl Default for Broker {
@@ -395,6 +401,7 @@ impl Broker {
             dirty: Vec::new(),
             expirable: Default::default(),
             reply_to: HashMap::new(),
+            drained: Default::default(),
         };
         b.add_vhost("/");
         b
@@ -515,6 +522,19 @@ impl Broker {
     /// Ready messages held in memory, across all queues (for tests and reports).
     pub fn messages_in_memory(&self) -> usize {
         self.queues.values().map(|q| q.in_memory()).sum()
+    }
+
+    /// How many consumers a queue has.
+    pub fn consumer_count(&self, vhost: &str, queue: &str) -> Option<usize> {
+        let id = self.queue_id(vhost, queue).ok()?;
+        self.queues.get(&id).map(|q| q.consumers.len())
+    }
+
+    /// How many messages a queue has paged out to the store past its window since it was
+    /// declared (RabbitMQ reports the like as `messages_paged_out`).
+    pub fn paged_out(&self, vhost: &str, queue: &str) -> Option<u64> {
+        let id = self.queue_id(vhost, queue).ok()?;
+        self.queues.get(&id).map(|q| q.paged_out)
     }
 
     /// Whether an op changes durable state (checked against the state before it is applied).
@@ -1655,6 +1675,7 @@ impl Broker {
                     routed: delivered as usize,
                     rejected: false,
                     staged: false,
+                    held: Targets::new(),
                 });
             }
         }
@@ -1729,11 +1750,12 @@ impl Broker {
                 });
             }
         }
-        let staged = self.enqueue(targets, id, self.now_ms, msg, fx);
+        let (staged, held) = self.enqueue(targets, id, self.now_ms, msg, fx);
         PublishOutcome {
             routed: total,
             rejected,
             staged,
+            held,
         }
     }
 
@@ -1831,7 +1853,9 @@ impl Broker {
         Ok(())
     }
 
-    /// Put a message (published at `at` ms) into queues and hand it to consumers.
+    /// Put a message (published at `at` ms) into queues and hand it to consumers. Returns
+    /// whether its publisher should wait for the store (`PublishOutcome::staged`) and the
+    /// queues that hold it past their window (`PublishOutcome::held`).
     fn enqueue(
         &mut self,
         targets: &[QueueId],
@@ -1839,8 +1863,9 @@ impl Broker {
         at: u64,
         msg: Arc<Message>,
         fx: &mut Vec<Effect>,
-    ) -> bool {
+    ) -> (bool, Targets) {
         let mut any_staged = false;
+        let mut held = Targets::new();
         for qid in targets {
             let Some(q) = self.queues.get_mut(qid) else {
                 continue;
@@ -1859,7 +1884,11 @@ impl Broker {
                 returns: 0,
                 stored,
             };
-            let staged = q.push(qm, self.journal_seq + 1);
+            let pushed = q.push(qm, self.journal_seq + 1, at);
+            let staged = pushed == Pushed::Staged;
+            if pushed == Pushed::Held {
+                held.push(*qid);
+            }
             if staged {
                 self.staging.insert(*qid);
                 any_staged |= q.pressure() || !q.consumers.is_empty();
@@ -1898,7 +1927,18 @@ impl Broker {
                 }
             }
         }
-        any_staged
+        (any_staged, held)
+    }
+
+    /// Whether a publisher on connection `conn` held by `queues` (`PublishOutcome::held`)
+    /// should go on waiting. Not for a queue consumed on that same connection: its acks come
+    /// in on the connection that would stop reading.
+    pub fn holding(&self, conn: ConnId, queues: &[QueueId]) -> bool {
+        queues.iter().any(|q| {
+            self.queues.get(q).is_some_and(|q| {
+                q.holding(self.now_ms) && q.consumers.iter().all(|c| c.key.conn != conn)
+            })
+        })
     }
 
     // ---------------------------------------------------------------- consumers
@@ -2155,6 +2195,7 @@ impl Broker {
             journal,
             journal_enabled,
             dirty,
+            drained,
             ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
@@ -2260,6 +2301,9 @@ impl Broker {
                 redelivered,
                 msg,
             });
+        }
+        if q.released() {
+            drained.notify_waiters();
         }
     }
 

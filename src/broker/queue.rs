@@ -14,6 +14,18 @@ pub const WINDOW_MESSAGES: usize = 1024;
 pub const WINDOW_BYTES: u64 = 8 * 1024 * 1024;
 /// One read from the store brings back at most this much.
 const READ_MESSAGES: usize = 512;
+
+/// Where `Queue::push` put a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// In memory, within the window.
+    Memory,
+    /// In memory past the window, because the queue has consumers: its publisher should wait
+    /// until they bring the queue back under its window (`Queue::holding`).
+    Held,
+    /// Staged for the store (see `Queue::push`).
+    Staged,
+}
 const READ_BYTES: usize = 1024 * 1024;
 
 /// Where queues page to: the store, and how far the committer has written the journal.
@@ -21,12 +33,17 @@ pub struct Pager {
     pub store: Arc<dyn Store>,
     /// The last journal batch (`Broker::journal_seq`) the committer has written.
     pub written: Arc<AtomicU64>,
+    /// How long (ms of the broker's clock: the core reads no clock of its own) publishers may
+    /// be held for a queue whose consumers are behind (see `Queue::push`) before the queue
+    /// gives up waiting for them and pages instead (`Config::flow_hold`).
+    pub hold_max_ms: u64,
 }
 
 impl std::fmt::Debug for Pager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pager")
             .field("written", &self.written)
+            .field("hold_max_ms", &self.hold_max_ms)
             .finish()
     }
 }
@@ -159,6 +176,11 @@ pub struct Queue {
     pub spilled: bool,
     /// Messages on disk may carry an expiry (so the expiry tick keeps visiting the queue).
     disk_may_expire: bool,
+    /// Messages paged out (staged for the store past the window) since the queue was made.
+    pub paged_out: u64,
+    /// Since when (broker clock, ms) publishers are held for this queue's consumers (see
+    /// `push`).
+    hold_since: Option<u64>,
     /// Messages read back with an id up to this were recovered from a previous run: they may
     /// have been delivered before, so they go out redelivered.
     redeliver_upto: u64,
@@ -222,6 +244,8 @@ impl Queue {
             pager: None,
             spilled: false,
             disk_may_expire: false,
+            hold_since: None,
+            paged_out: 0,
             redeliver_upto: 0,
             lost: 0,
             consumers: Vec::new(),
@@ -287,25 +311,49 @@ impl Queue {
 
     /// Add a newly arrived message. Past the window (or behind messages already on disk) it is
     /// staged: it stays in memory only until journal batch `batch` is written, which must store
-    /// it (the caller journals a spill for a message not already stored). Returns whether it
-    /// was staged.
-    pub fn push(&mut self, mut qm: QueuedMessage, batch: u64) -> bool {
+    /// it (the caller journals a spill for a message not already stored).
+    ///
+    /// Except when the queue has consumers and nothing of this level is on disk: they are
+    /// only behind, and paging would cost a store write and read for each message they are
+    /// about to take. The message then stays in memory past the window (up to a second window)
+    /// and its publisher waits for the consumers to bring the queue back under the window
+    /// (`Pushed::Held`), as RabbitMQ's credit flow slows a publisher to its queue's pace. If
+    /// they do not within `Pager::hold_max_ms` (stuck, or slower than the publishers for good), the
+    /// queue pages as usual until it is back under the window, so a slow consumer costs a
+    /// publisher at most `Pager::hold_max_ms` each time.
+    pub fn push(&mut self, mut qm: QueuedMessage, batch: u64, now: u64) -> Pushed {
         let size = qm.msg.body.len() as u64;
         self.ready_bytes += size;
         self.count += 1;
         let level = self.level(&qm.msg);
-        let stage = self.pager.is_some()
-            && (self.levels[level].paged()
-                || self.mem_count >= WINDOW_MESSAGES
-                || self.mem_bytes + size > WINDOW_BYTES);
+        let over = self.mem_count >= WINDOW_MESSAGES || self.mem_bytes + size > WINDOW_BYTES;
+        if !over {
+            self.hold_since = None;
+        }
+        let paged = self.levels[level].paged();
+        let stage = self.pager.is_some() && (paged || over);
+        let hold_max = self.pager.as_ref().map_or(0, |p| p.hold_max_ms);
+        let hold = stage
+            && hold_max > 0
+            && !paged
+            && !self.consumers.is_empty()
+            && self.mem_count < 2 * WINDOW_MESSAGES
+            && self.mem_bytes + size <= 2 * WINDOW_BYTES
+            && self
+                .hold_since
+                .is_none_or(|t| now.saturating_sub(t) < hold_max);
         self.mem_count += 1;
         self.mem_bytes += size;
         let l = &mut self.levels[level];
-        if stage {
+        if stage && !hold {
             qm.stored = true;
             l.staged.push_back((batch, qm));
+            self.paged_out += 1;
             self.release_written(level);
-            return true;
+            return Pushed::Staged;
+        }
+        if hold {
+            self.hold_since.get_or_insert(now);
         }
         let l = &mut l.mem;
         match l.back() {
@@ -315,7 +363,34 @@ impl Queue {
             }
             _ => l.push_back(qm),
         }
+        if hold {
+            Pushed::Held
+        } else {
+            Pushed::Memory
+        }
+    }
+
+    /// Whether publishers should still wait for this queue's consumers (see `push`).
+    pub fn holding(&self, now: u64) -> bool {
+        let hold_max = self.pager.as_ref().map_or(0, |p| p.hold_max_ms);
+        self.hold_since
+            .is_some_and(|t| now.saturating_sub(t) < hold_max)
+            && !self.consumers.is_empty()
+            && !self.under_window()
+    }
+
+    /// Whether a publisher held for this queue can go on (checked after deliveries): true at
+    /// the moment the queue is back under its window.
+    pub fn released(&mut self) -> bool {
+        if self.hold_since.is_some() && self.under_window() {
+            self.hold_since = None;
+            return true;
+        }
         false
+    }
+
+    fn under_window(&self) -> bool {
+        self.mem_count < WINDOW_MESSAGES && self.mem_bytes < WINDOW_BYTES
     }
 
     /// Drop from memory every staged message the store has now; returns whether some are

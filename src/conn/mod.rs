@@ -110,6 +110,31 @@ pub async fn serve(
                 }
             }
         }
+        // Flow control: a queue kept this client's message in memory past its window because
+        // its consumers are behind; wait for them (bounded: the queue stops holding after
+        // `flow_hold` and pages instead).
+        if !session.hold.is_empty() {
+            let hold = std::mem::take(&mut session.hold);
+            let deadline = Instant::now() + shared.config.flow_hold;
+            let drained = shared.broker.lock().drained.clone();
+            loop {
+                let notified = drained.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                {
+                    let mut broker = shared.broker.lock();
+                    broker.set_clock(session::now_ms());
+                    if !broker.holding(session.conn, &hold) {
+                        break;
+                    }
+                }
+                tokio::select! {
+                    _ = notified => {}
+                    _ = sleep_until(deadline) => break,
+                    _ = writer_done.cancelled() => break,
+                }
+            }
+        }
         if outbox.len() > OUTBOX_HIGH_WATER {
             tokio::select! {
                 _ = outbox.drained.notified() => {}
@@ -157,6 +182,7 @@ pub async fn serve(
                         while matches!(next, Next::Continue) && more < 256 {
                             if outbox.len() > OUTBOX_HIGH_WATER
                                 || session.throttle.is_some()
+                                || !session.hold.is_empty()
                                 || (session.published && *disk_alarm.borrow())
                             {
                                 break;

@@ -129,6 +129,10 @@ pub struct Session {
     /// until the store has written up to this commit ticket (flow control: a publisher to a
     /// deep queue goes at the speed of the disk, and staged messages stay bounded in memory).
     pub(crate) throttle: Option<u64>,
+    /// A publish stayed in memory past a queue's window because the queue's consumers are
+    /// behind: read nothing more from this client until they catch up (`Broker::holding`),
+    /// for at most `Config::flow_hold`.
+    pub(crate) hold: crate::broker::Targets,
     /// The client understands connection.blocked / unblocked (capability).
     pub(crate) blocked_capability: bool,
 }
@@ -206,6 +210,7 @@ impl Session {
             next_generation: 1,
             published: false,
             throttle: None,
+            hold: Default::default(),
             blocked_capability: false,
         }
     }

@@ -228,7 +228,12 @@ impl Session {
             }
             return Ok(());
         }
-        let (rejected, staged) = self.route_message(ch, msg, mandatory)?;
+        let (rejected, staged, held) = self.route_message(ch, msg, mandatory)?;
+        for q in held {
+            if !self.hold.contains(&q) {
+                self.hold.push(q);
+            }
+        }
         let ticket = self.ctx.last_ticket.take();
         if staged {
             self.throttle = ticket.or(self.throttle);
@@ -257,14 +262,15 @@ impl Session {
     }
 
     /// Enqueue a message; unroutable mandatory messages come back as basic.return.
-    /// Returns whether a queue refused the message (x-overflow reject-publish), and whether a
-    /// queue staged it past its in-memory window.
+    /// Returns whether a queue refused the message (x-overflow reject-publish), whether a
+    /// queue staged it past its in-memory window, and the queues that hold it past their
+    /// window for their consumers.
     pub(crate) fn route_message(
         &mut self,
         ch: u16,
         msg: Arc<Message>,
         mandatory: bool,
-    ) -> Result<(bool, bool), AmqpError> {
+    ) -> Result<(bool, bool, crate::broker::Targets), AmqpError> {
         core(&self.shared, &mut self.ctx, |b, fx| {
             let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
             if outcome.routed == 0 && mandatory {
@@ -279,7 +285,7 @@ impl Session {
                     &msg,
                 );
             }
-            Ok((outcome.rejected, outcome.staged))
+            Ok((outcome.rejected, outcome.staged, outcome.held))
         })
         .map_err(|e: AmqpError| e.on(60, 40))
     }

@@ -6,7 +6,7 @@ use crate::common::*;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, ExchangeKind};
-use warren::broker::queue::WINDOW_MESSAGES;
+use warren::broker::queue::{WINDOW_BYTES, WINDOW_MESSAGES};
 
 const DEEP: usize = 4 * WINDOW_MESSAGES;
 
@@ -407,4 +407,184 @@ async fn a_consumer_draining_while_a_deep_queue_fills_gets_everything_once_in_or
     let got = reader.await.unwrap();
     assert_eq!(got, (0..n).collect::<Vec<_>>());
     assert_eq!(count(&ch, "busy").await, 0);
+}
+
+/// Start a consumer on `ch` (prefetch `prefetch`) that, once `go` has a permit, takes `n`
+/// messages of `queue` and acks each, spending `pace` on each; returns their numbers (the
+/// bodies' first word) in arrival order.
+fn spawn_reader(
+    ch: lapin::Channel,
+    queue: &'static str,
+    prefetch: u16,
+    n: usize,
+    go: std::sync::Arc<tokio::sync::Semaphore>,
+    pace: std::time::Duration,
+) -> tokio::task::JoinHandle<Vec<usize>> {
+    tokio::spawn(async move {
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "reader".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _go = go.acquire().await.unwrap();
+        let mut got = Vec::with_capacity(n);
+        while got.len() < n {
+            let d = next_delivery(&mut consumer).await;
+            let body = std::str::from_utf8(&d.data).unwrap();
+            got.push(body.split(' ').next().unwrap().parse().unwrap());
+            tokio::time::sleep(pace).await;
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        no_delivery(&mut consumer).await;
+        got
+    })
+}
+
+fn flow_hold(hold: std::time::Duration) -> warren::Config {
+    warren::Config {
+        flow_hold: hold,
+        ..Default::default()
+    }
+}
+
+/// Publish three windows' worth of 64 KiB messages to `queue` while a slower reader on
+/// `consumer_conn` (prefetch 20, 1 ms per message) takes them; returns how many messages the
+/// queue paged out.
+async fn publish_to_a_reader(
+    server: &TestServer,
+    publisher: &lapin::Connection,
+    consumer_conn: &lapin::Connection,
+    queue: &'static str,
+) -> u64 {
+    let ch = confirming_channel(publisher).await;
+    ch.queue_declare(queue.into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    const SIZE: usize = 64 * 1024;
+    let n = 3 * (WINDOW_BYTES as usize / SIZE);
+    let go = std::sync::Arc::new(tokio::sync::Semaphore::new(1));
+    let reader = spawn_reader(
+        consumer_conn.create_channel().await.unwrap(),
+        queue,
+        20,
+        n,
+        go,
+        std::time::Duration::from_millis(1),
+    );
+    // The consumer is in place before the first publish.
+    while server
+        .shared
+        .broker
+        .lock()
+        .consumer_count("/", queue)
+        .unwrap_or(0)
+        == 0
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let all = async {
+        let mut confirms = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut body = format!("{i} ").into_bytes();
+            body.resize(SIZE, b'.');
+            confirms.push(
+                ch.basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default(),
+                )
+                .await
+                .unwrap(),
+            );
+        }
+        for c in confirms {
+            assert!(c.await.unwrap().is_ack());
+        }
+        reader.await.unwrap()
+    };
+    let got = tokio::time::timeout(std::time::Duration::from_secs(20), all)
+        .await
+        .expect("publisher or consumer stalled");
+    assert_eq!(got, (0..n).collect::<Vec<_>>());
+    server.shared.broker.lock().paged_out("/", queue).unwrap()
+}
+
+/// Flow control: consumers that are only behind slow their publisher down (it stops being
+/// read until they bring the queue back under its window) rather than make the queue page
+/// messages they are about to take. The same load with holding switched off pages, so the
+/// load does go past the window.
+#[tokio::test]
+async fn a_publisher_waits_for_consumers_that_are_behind_instead_of_paging() {
+    let server = TestServer::start_with(flow_hold(std::time::Duration::from_secs(30))).await;
+    let (p, c) = (server.connect().await, server.connect().await);
+    assert_eq!(publish_to_a_reader(&server, &p, &c, "behind").await, 0);
+
+    let server = TestServer::start_with(flow_hold(std::time::Duration::ZERO)).await;
+    let (p, c) = (server.connect().await, server.connect().await);
+    assert!(publish_to_a_reader(&server, &p, &c, "behind").await > 0);
+}
+
+/// A publisher consuming (with acks) from the same queue on its own connection is not held:
+/// its acks come in on the connection that would stop being read. With a 30 s hold, waiting
+/// for itself would stall past the test's 20 s bound.
+#[tokio::test]
+async fn a_publisher_consuming_on_its_own_connection_is_not_held_for_itself() {
+    let server = TestServer::start_with(flow_hold(std::time::Duration::from_secs(30))).await;
+    let conn = server.connect().await;
+    publish_to_a_reader(&server, &conn, &conn, "own").await;
+}
+
+/// A consumer that takes nothing (prefetch 1, never acks) holds its queue's publisher no
+/// longer than `flow_hold` (100 ms by default): the queue then pages, every publish is
+/// confirmed, and once the consumer acks it gets everything in order.
+#[tokio::test]
+async fn a_stuck_consumer_holds_a_publisher_only_briefly_then_the_queue_pages() {
+    let server = TestServer::start().await;
+    let (p, c) = (server.connect().await, server.connect().await);
+    let ch = confirming_channel(&p).await;
+    ch.queue_declare("stuck".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let n = 3 * WINDOW_MESSAGES;
+    let go = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let reader = spawn_reader(
+        c.create_channel().await.unwrap(),
+        "stuck",
+        1,
+        n,
+        go.clone(),
+        std::time::Duration::ZERO,
+    );
+    while server
+        .shared
+        .broker
+        .lock()
+        .consumer_count("/", "stuck")
+        .unwrap_or(0)
+        == 0
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        publish_n(&ch, "", "stuck", 0, n, |_| BasicProperties::default()),
+    )
+    .await
+    .expect("publisher held for good by a stuck consumer");
+    assert!(server.shared.broker.lock().paged_out("/", "stuck").unwrap() > 0);
+    go.add_permits(1);
+    let got = tokio::time::timeout(std::time::Duration::from_secs(20), reader)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, (0..n).collect::<Vec<_>>());
 }
