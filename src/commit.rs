@@ -254,7 +254,10 @@ mod tests {
     fn enqueue(queues: &[&str], id: u64) -> Op {
         Op::Enqueue {
             vhost: "/".into(),
-            queues: queues.iter().map(|q| (q.to_string(), 0)).collect(),
+            queues: queues
+                .iter()
+                .map(|q| (warren_storage::Name::from(*q), 0))
+                .collect(),
             id,
             timestamp_ms: 0,
             exchange: "".into(),

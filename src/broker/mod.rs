@@ -558,9 +558,8 @@ impl Broker {
             Op::DeclareQueue {
                 durable, exclusive, ..
             } => *durable && !*exclusive,
-            Op::DeleteQueue { vhost, name } | Op::Purge { vhost, queue: name } => {
-                queue_stored(vhost, name)
-            }
+            Op::DeleteQueue { vhost, name } => queue_stored(vhost, name),
+            Op::Purge { vhost, queue } => queue_stored(vhost, queue),
             Op::Bind {
                 vhost,
                 source,
@@ -787,7 +786,7 @@ impl Broker {
                     .is_some_and(|tq| !deadletter::is_cycle(&msg.properties, reason, &tq.name))
             })
             .collect();
-        self.deliver(&vhost, &targets, Arc::new(msg), fx);
+        self.deliver(&targets, Arc::new(msg), fx);
     }
 
     pub fn has_vhost(&self, name: &str) -> bool {
@@ -1058,13 +1057,13 @@ impl Broker {
                 let v = self.vhost(vhost)?;
                 let ids: Vec<QueueId> = queues
                     .iter()
-                    .filter_map(|(n, _)| v.queues.get(n).copied())
+                    .filter_map(|(n, _)| v.queues.get(&**n).copied())
                     .collect();
                 self.next_message_id = self.next_message_id.max(id + 1);
                 self.enqueue(&ids, *id, *timestamp_ms, msg, fx);
             }
             Op::Remove { vhost, queue, keys } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
                     if let Some(q) = self.queues.get_mut(&qid) {
                         // Replayed ops: drop these ids from the ready list.
                         let ids: Vec<u64> =
@@ -1074,7 +1073,7 @@ impl Broker {
                 }
             }
             Op::Purge { vhost, queue } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(queue).copied() {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
                     if let Some(q) = self.queues.get_mut(&qid) {
                         let _ = q.purge();
                     }
@@ -1342,7 +1341,7 @@ impl Broker {
         }
         q.last_used = now;
         QueueInfo {
-            name: q.name.clone(),
+            name: q.name.to_string(),
             message_count: q.message_count() as u32,
             consumer_count: q.consumers.len() as u32,
         }
@@ -1579,8 +1578,8 @@ impl Broker {
         };
         if q.has_storage() && self.journal_enabled {
             self.journal.push(Op::DeleteQueue {
-                vhost: q.vhost.clone(),
-                name: q.name.clone(),
+                vhost: q.vhost.to_string(),
+                name: q.name.to_string(),
             });
         }
         self.expiring.remove(&id);
@@ -1588,8 +1587,8 @@ impl Broker {
             return;
         };
         let mut emptied: Vec<String> = Vec::new();
-        if let Some(v) = self.vhosts.get_mut(&q.vhost) {
-            v.queues.remove(&q.name);
+        if let Some(v) = self.vhosts.get_mut(&*q.vhost) {
+            v.queues.remove(&*q.name);
             for x in v.exchanges.values_mut() {
                 if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
                     emptied.push(x.name.clone());
@@ -1616,7 +1615,7 @@ impl Broker {
         for name in emptied {
             let _ = self.apply(
                 &Op::DeleteExchange {
-                    vhost: q.vhost.clone(),
+                    vhost: q.vhost.to_string(),
                     name,
                 },
                 fx,
@@ -1685,7 +1684,7 @@ impl Broker {
             keys.extend(cc.iter().chain(&bcc).map(String::as_str));
             self.route_keys(vhost, msg.exchange.as_str(), &keys, &msg, true)?
         };
-        let outcome = self.deliver(vhost, &targets, msg, fx);
+        let outcome = self.deliver(&targets, msg, fx);
         self.settle(fx);
         Ok(outcome)
     }
@@ -1694,7 +1693,6 @@ impl Broker {
     /// queues that store it.
     fn deliver(
         &mut self,
-        vhost: &str,
         targets: &[QueueId],
         msg: Arc<Message>,
         fx: &mut Vec<Effect>,
@@ -1731,15 +1729,20 @@ impl Broker {
         }
         let targets = &accepted[..];
         if self.journal_enabled && msg.persistent() {
-            let stored: Vec<(String, u8)> = targets
+            // Names shared with the queues: no copy per message.
+            let mut stored_vhost = None;
+            let stored: warren_storage::QueueLevels = targets
                 .iter()
                 .filter_map(|t| self.queues.get(t))
                 .filter(|q| q.is_stored())
-                .map(|q| (q.name.clone(), q.level(&msg) as u8))
+                .map(|q| {
+                    stored_vhost.get_or_insert_with(|| q.vhost.clone());
+                    (q.name.clone(), q.level(&msg) as u8)
+                })
                 .collect();
-            if !stored.is_empty() {
+            if let Some(vhost) = stored_vhost {
                 self.journal.push(Op::Enqueue {
-                    vhost: vhost.to_string(),
+                    vhost,
                     queues: stored,
                     id,
                     timestamp_ms: self.now_ms,

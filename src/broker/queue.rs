@@ -138,8 +138,9 @@ pub struct QueueConsumer {
 
 #[derive(Debug)]
 pub struct Queue {
-    pub name: String,
-    pub vhost: String,
+    /// Shared with the ops that name the queue (`warren_storage::Name`).
+    pub name: warren_storage::Name,
+    pub vhost: warren_storage::Name,
     pub durable: bool,
     pub exclusive: bool,
     pub auto_delete: bool,
@@ -218,8 +219,8 @@ impl Queue {
             _ => Overflow::DropHead,
         };
         Queue {
-            name,
-            vhost,
+            name: name.into(),
+            vhost: vhost.into(),
             durable,
             exclusive,
             auto_delete,

@@ -428,7 +428,7 @@ fn ops_replay_to_the_same_state() {
         },
         Op::Enqueue {
             vhost: "/".into(),
-            queues: vec![("q".into(), 0)],
+            queues: vec![("q".into(), 0)].into(),
             id: 7,
             timestamp_ms: 0,
             exchange: "logs".into(),

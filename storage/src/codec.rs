@@ -10,7 +10,7 @@ pub const VERSION: u8 = 1;
 #[error("corrupt record: {0}")]
 pub struct DecodeError(pub &'static str);
 
-fn put_str(b: &mut BytesMut, s: &[u8]) {
+fn put_str(b: &mut impl BufMut, s: &[u8]) {
     b.put_u32(s.len() as u32);
     b.put_slice(s);
 }
@@ -243,15 +243,36 @@ pub fn encode_message(
     let mut b = BytesMut::with_capacity(
         32 + exchange.len() + routing_key.len() + properties.len() + body.len(),
     );
+    encode_message_into(
+        &mut b,
+        tag,
+        timestamp_ms,
+        exchange,
+        routing_key,
+        properties,
+        body,
+    );
+    b.freeze()
+}
+
+/// [`encode_message`] appended to `b` (the store reuses one buffer for a whole batch).
+pub fn encode_message_into(
+    b: &mut impl BufMut,
+    tag: u8,
+    timestamp_ms: u64,
+    exchange: &str,
+    routing_key: &str,
+    properties: &[u8],
+    body: &warren_protocol::Body,
+) {
     b.put_u8(tag);
     b.put_u64(timestamp_ms);
-    put_str(&mut b, exchange.as_bytes());
-    put_str(&mut b, routing_key.as_bytes());
-    put_str(&mut b, properties);
+    put_str(b, exchange.as_bytes());
+    put_str(b, routing_key.as_bytes());
+    put_str(b, properties);
     for part in body.parts() {
         b.put_slice(part);
     }
-    b.freeze()
 }
 
 impl MessageRecord {
@@ -341,7 +362,7 @@ mod tests {
             } else {
                 crate::Op::Enqueue {
                     vhost: "/".into(),
-                    queues: vec![("q".into(), 0)],
+                    queues: vec![("q".into(), 0)].into(),
                     id: 5,
                     timestamp_ms: 1,
                     exchange: "x".into(),

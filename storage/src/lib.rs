@@ -15,7 +15,7 @@ pub mod op;
 pub mod rocks;
 pub mod testing;
 
-pub use op::{BindingDest, Op};
+pub use op::{BindingDest, Name, Op, QueueLevels};
 use std::path::PathBuf;
 
 /// Why a store could not do what was asked.

@@ -6,6 +6,14 @@
 use bytes::Bytes;
 pub use warren_protocol::Body;
 
+/// A vhost or queue name in the ops every message makes (enqueue, removal, spill): shared with
+/// the broker's queue, so building such an op copies no name.
+pub type Name = std::sync::Arc<str>;
+
+/// The queues an `Enqueue` stores a message in, with its priority level in each (one, most
+/// often: kept inline).
+pub type QueueLevels = smallvec::SmallVec<[(Name, u8); 1]>;
+
 /// What a binding points at.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum BindingDest {
@@ -61,8 +69,8 @@ pub enum Op {
     /// named with the message's priority level in it (0 without x-max-priority): its key there
     /// is `message_key(level, id)`. Routed to several queues, the body is stored once.
     Enqueue {
-        vhost: String,
-        queues: Vec<(String, u8)>,
+        vhost: Name,
+        queues: QueueLevels,
         id: u64,
         /// When it was published (ms since the epoch): TTLs count from here, also on replay.
         timestamp_ms: u64,
@@ -73,21 +81,21 @@ pub enum Op {
     },
     /// Messages acknowledged (or dropped) from one queue, by key (`message_key`).
     Remove {
-        vhost: String,
-        queue: String,
+        vhost: Name,
+        queue: Name,
         keys: Vec<u64>,
     },
     /// Every message of a queue goes.
     Purge {
-        vhost: String,
-        queue: String,
+        vhost: Name,
+        queue: Name,
     },
     /// A message moved out of memory to keep a deep queue's heap bounded: a transient message,
     /// or any message of a queue that is not stored. Written without the write-ahead log and
     /// discarded at recovery; the queue (even a non-durable one) gets storage for it.
     Spill {
-        vhost: String,
-        queue: String,
+        vhost: Name,
+        queue: Name,
         key: u64,
         timestamp_ms: u64,
         exchange: String,
@@ -97,16 +105,15 @@ pub enum Op {
     },
     /// The messages of a queue with keys from `from` to `to` (inclusive) go.
     RemoveRange {
-        vhost: String,
-        queue: String,
+        vhost: Name,
+        queue: Name,
         from: u64,
         to: u64,
     },
 }
 
 impl Op {
-    /// Whether a store must persist this op (it touches a durable entity). The broker decides
-    /// durability; this is a convenience for stores that filter.
+    /// The vhost the op belongs to.
     pub fn vhost(&self) -> &str {
         match self {
             Op::DeclareExchange { vhost, .. }
@@ -114,8 +121,8 @@ impl Op {
             | Op::DeclareQueue { vhost, .. }
             | Op::DeleteQueue { vhost, .. }
             | Op::Bind { vhost, .. }
-            | Op::Unbind { vhost, .. }
-            | Op::Enqueue { vhost, .. }
+            | Op::Unbind { vhost, .. } => vhost,
+            Op::Enqueue { vhost, .. }
             | Op::Remove { vhost, .. }
             | Op::Purge { vhost, .. }
             | Op::Spill { vhost, .. }
@@ -172,6 +179,24 @@ impl Op {
                 m.body,
             )
         })
+    }
+
+    /// Like [`Op::message_value`], into `out` (cleared first); false for other ops.
+    pub fn message_value_into(&self, out: &mut Vec<u8>) -> bool {
+        out.clear();
+        self.message()
+            .map(|m| {
+                crate::codec::encode_message_into(
+                    out,
+                    m.tag,
+                    m.timestamp_ms,
+                    m.exchange,
+                    m.routing_key,
+                    m.properties,
+                    m.body,
+                )
+            })
+            .is_some()
     }
 
     /// The stored form of the message an `Enqueue` or `Spill` carries.

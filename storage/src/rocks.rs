@@ -515,7 +515,9 @@ impl RocksStore {
         };
         // Bindings put earlier in this batch (a later delete in the batch must see them too).
         let mut added: Vec<BindingKey> = Vec::new();
+        // Keys and values are built in these and copied by the batch: no allocation per message.
         let mut key_buf = Vec::new();
+        let mut value_buf = Vec::new();
         for op in ops {
             match op {
                 Op::DeclareExchange {
@@ -625,17 +627,18 @@ impl RocksStore {
                 Op::Enqueue {
                     vhost, queues, id, ..
                 } => {
-                    let value = op.message_value().unwrap_or_default();
+                    op.message_value_into(&mut value_buf);
+                    let value = &value_buf;
                     let batch = b.logged(self)?;
                     if let [(q, level)] = &queues[..] {
                         let key = crate::message_key(*level, *id);
                         batch.put_cf(
                             &messages,
                             message_key_in(&mut key_buf, vhost, q, key),
-                            &value,
+                            value,
                         );
                     } else if queues.len() > 1 {
-                        batch.put_cf(&shared, id.to_be_bytes(), &value);
+                        batch.put_cf(&shared, id.to_be_bytes(), value);
                         for (q, level) in queues {
                             let key = crate::message_key(*level, *id);
                             batch.put_cf(
@@ -649,10 +652,9 @@ impl RocksStore {
                 }
                 Op::Remove { vhost, queue, keys } => {
                     let batch = b.logged(self)?;
-                    let prefix = queue_prefix(vhost, queue);
                     let mut refs = self.refs();
                     for k in keys {
-                        batch.delete_cf(&messages, message_key_bytes(&prefix, *k));
+                        batch.delete_cf(&messages, message_key_in(&mut key_buf, vhost, queue, *k));
                         if !refs.is_empty() {
                             self.unref(&mut refs, key_id(*k), batch)?;
                         }
@@ -680,8 +682,8 @@ impl RocksStore {
                         *n += 1;
                         batch.put_cf(&messages, k, [SHARED_TAG]);
                     } else {
-                        let value = op.message_value().unwrap_or_default();
-                        batch.put_cf(&messages, k, value);
+                        op.message_value_into(&mut value_buf);
+                        batch.put_cf(&messages, k, &value_buf);
                     }
                 }
             }
@@ -918,7 +920,7 @@ mod tests {
     fn fanned(id: u64) -> Op {
         Op::Enqueue {
             vhost: "/".into(),
-            queues: vec![("a".into(), 0), ("b".into(), 0)],
+            queues: vec![("a".into(), 0), ("b".into(), 0)].into(),
             id,
             timestamp_ms: 0,
             exchange: "".into(),

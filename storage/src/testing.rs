@@ -27,7 +27,7 @@ fn queue(name: &str) -> Op {
 fn enqueue(queues: &[&str], id: u64, body: &str) -> Op {
     Op::Enqueue {
         vhost: "/".into(),
-        queues: queues.iter().map(|q| (q.to_string(), 0)).collect(),
+        queues: queues.iter().map(|q| (crate::Name::from(*q), 0)).collect(),
         id,
         timestamp_ms: 1000 + id,
         exchange: "x".into(),
@@ -289,7 +289,7 @@ fn levels_spills_and_ranges(open: &dyn Fn() -> Box<dyn Store>) {
         &[
             Op::Enqueue {
                 vhost: "/".into(),
-                queues: vec![("p".into(), 2)],
+                queues: vec![("p".into(), 2)].into(),
                 id: 1,
                 timestamp_ms: 1,
                 exchange: "".into(),
@@ -417,7 +417,7 @@ mod tests {
                 .iter()
                 .map(|id| Op::Enqueue {
                     vhost: "/".into(),
-                    queues: vec![("a".into(), 0), ("b".into(), 0)],
+                    queues: vec![("a".into(), 0), ("b".into(), 0)].into(),
                     id: *id,
                     timestamp_ms: 0,
                     exchange: "".into(),
