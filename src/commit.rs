@@ -20,7 +20,7 @@ pub struct Done {
 }
 
 struct Request {
-    ops: Vec<Op>,
+    ops: crate::broker::Journal,
     sync: bool,
     ticket: u64,
     notify: Option<UnboundedSender<Done>>,
@@ -165,7 +165,12 @@ impl Committer {
 
     /// Queue ops for the store under `ticket` (the broker's journal batch number: tickets
     /// grow); `notify` hears the outcome. Requests are written in submission order.
-    pub fn submit(&self, ticket: u64, ops: Vec<Op>, notify: Option<UnboundedSender<Done>>) -> u64 {
+    pub fn submit(
+        &self,
+        ticket: u64,
+        ops: crate::broker::Journal,
+        notify: Option<UnboundedSender<Done>>,
+    ) -> u64 {
         let sync = ops.iter().any(needs_sync);
         let Some(tx) = &self.tx else {
             return ticket;
@@ -206,7 +211,7 @@ fn run(
         }
         let sync = batch.iter().any(|r| r.sync);
         for r in batch.iter_mut() {
-            ops.append(&mut r.ops);
+            ops.extend(r.ops.drain(..));
         }
         let messages = ops
             .iter()

@@ -36,6 +36,10 @@ pub type QueueId = u64;
 /// The queues one message goes to: inline (no allocation) for up to 8.
 pub type Targets = SmallVec<[QueueId; 8]>;
 
+/// Durable changes made under one lock of the broker (most often one or two: kept inline, so
+/// a publish does not allocate a list to hand its op to the committer).
+pub type Journal = SmallVec<[Op; 2]>;
+
 /// A published message, shared (not copied) by every queue it was routed to.
 #[derive(Debug)]
 pub struct Message {
@@ -205,7 +209,7 @@ pub struct Broker {
     /// Record durable changes as ops in `journal` (off while recovering, and with no store).
     journal_enabled: bool,
     /// Durable changes not yet handed to the store (see `take_journal`).
-    journal: Vec<Op>,
+    journal: Journal,
     /// Journal batches taken so far (the one being built is `journal_seq + 1`).
     journal_seq: u64,
     /// Where deep queues page to (with a store).
@@ -286,7 +290,7 @@ fn random_name(prefix: &str) -> String {
 
 /// Journal the removal of a message the store holds for queue `q`, merged into the previous op
 /// when that removes from the same queue.
-fn push_removal(journal: &mut Vec<Op>, q: &Queue, qm: &QueuedMessage) {
+fn push_removal(journal: &mut Journal, q: &Queue, qm: &QueuedMessage) {
     let key = q.store_key(qm);
     if let Some(Op::Remove { vhost, queue, keys }) = journal.last_mut() {
         if *vhost == q.vhost && *queue == q.name {
@@ -394,7 +398,7 @@ impl Broker {
             now_ms: 0,
             expiring: Default::default(),
             journal_enabled: false,
-            journal: Vec::new(),
+            journal: Journal::new(),
             journal_seq: 0,
             pager: None,
             staging: Default::default(),
@@ -458,9 +462,9 @@ impl Broker {
     /// The durable changes made since the last call, in the order they were made. Each
     /// non-empty batch gets the next number ([`Broker::journal_seq`]); the committer reports
     /// the batches it has written by that number (`Pager::written`).
-    pub fn take_journal(&mut self) -> Vec<Op> {
+    pub fn take_journal(&mut self) -> Journal {
         if !self.journal_enabled || self.journal.is_empty() {
-            return Vec::new();
+            return Journal::new();
         }
         self.journal_seq += 1;
         std::mem::take(&mut self.journal)
