@@ -113,6 +113,7 @@ impl Shared {
             store,
             written: committer.written.clone(),
             hold_max_ms: config.flow_hold.as_millis() as u64,
+            read_failed: Default::default(),
         });
         let limit = config.disk_free_limit;
         Ok(Arc::new(Shared {
@@ -260,6 +261,7 @@ pub async fn serve(
                 let mut fx = Vec::new();
                 broker.expire(&mut fx);
                 broker.release_written();
+                broker.retry_reads(&mut fx);
                 if let Some(t) = shared.config.consumer_timeout {
                     broker.enforce_ack_timeout(t.as_millis() as u64, &mut fx);
                 }

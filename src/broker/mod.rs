@@ -27,6 +27,7 @@ use queue::{ConsumerKey, DropReason, Overflow, Pushed, Queue, QueueConsumer, Que
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use warren_protocol::AmqpError;
 use warren_storage::{BindingDest, Op};
@@ -521,6 +522,29 @@ impl Broker {
         let queues = &mut self.queues;
         self.staging
             .retain(|id| queues.get_mut(id).is_some_and(|q| q.release_all_written()));
+    }
+
+    /// Hand out again the backlog of queues whose read from the store failed (called on a
+    /// timer: a failed read must not leave consumers waiting for the next publish or ack).
+    pub fn retry_reads(&mut self, fx: &mut Vec<Effect>) {
+        let Some(pager) = &self.pager else {
+            return;
+        };
+        if !pager.read_failed.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        let failed: Vec<QueueId> = self
+            .queues
+            .iter_mut()
+            .filter(|(_, q)| q.read_failed)
+            .map(|(id, q)| {
+                q.read_failed = false;
+                *id
+            })
+            .collect();
+        for id in failed {
+            self.dispatch(id, fx);
+        }
     }
 
     /// Ready messages held in memory, across all queues (for tests and reports).

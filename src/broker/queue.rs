@@ -37,6 +37,9 @@ pub struct Pager {
     /// be held for a queue whose consumers are behind (see `Queue::push`) before the queue
     /// gives up waiting for them and pages instead (`Config::flow_hold`).
     pub hold_max_ms: u64,
+    /// Some queue could not read its backlog back (`Queue::read_failed`): the broker's timer
+    /// retries (`Broker::retry_reads`).
+    pub read_failed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Pager {
@@ -187,6 +190,9 @@ pub struct Queue {
     redeliver_upto: u64,
     /// Messages read back but unreadable or missing (a failed write): reported once.
     pub lost: u64,
+    /// The last read of the backlog from the store failed (an I/O error): consumers wait for
+    /// the broker's timer to try again (`Broker::retry_reads`).
+    pub read_failed: bool,
     /// Consumers in subscription order; `next` is where the round-robin resumes.
     pub consumers: Vec<QueueConsumer>,
     pub next: usize,
@@ -249,6 +255,7 @@ impl Queue {
             paged_out: 0,
             redeliver_upto: 0,
             lost: 0,
+            read_failed: false,
             consumers: Vec::new(),
             next: 0,
             exclusive_consumer: None,
@@ -459,7 +466,9 @@ impl Queue {
         {
             Ok(read) => read,
             Err(e) => {
-                tracing::error!(queue = %self.name, error = %e, "reading a queue back from the store failed");
+                tracing::error!(queue = %self.name, error = %e, "reading a queue back from the store failed; retrying");
+                self.read_failed = true;
+                pager.read_failed.store(true, Ordering::Relaxed);
                 return;
             }
         };

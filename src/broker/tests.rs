@@ -501,3 +501,93 @@ fn ttl_expires_at_the_head_and_zero_ttl_needs_a_ready_consumer() {
     b.publish("/", zero, &mut fx).unwrap();
     assert_eq!(delivered(&fx).len(), 1);
 }
+
+/// A store whose next `fail` reads fail (an I/O error), then read normally.
+struct FlakyReads {
+    inner: warren_storage::mem::MemStore,
+    fail: std::sync::atomic::AtomicUsize,
+}
+
+impl warren_storage::Store for FlakyReads {
+    fn write(&self, ops: &[Op], sync: bool) -> Result<(), warren_storage::StoreError> {
+        self.inner.write(ops, sync)
+    }
+
+    fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
+        self.inner.recover()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<warren_storage::StoredMessage>, warren_storage::StoreError> {
+        let fail = &self.fail;
+        if fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(warren_storage::StoreError::Io("injected read error".into()));
+        }
+        self.inner
+            .read(vhost, queue, from, to, max_count, max_bytes)
+    }
+}
+
+/// A failed read of a queue's backlog from the store does not leave its consumer waiting for
+/// the next publish or ack: the broker's timer (`retry_reads`) hands the backlog out.
+#[test]
+fn a_failed_backlog_read_is_retried_by_the_timer() {
+    let store = Arc::new(FlakyReads {
+        inner: warren_storage::mem::MemStore::new(),
+        fail: Default::default(),
+    });
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (mut b, c) = setup();
+    b.enable_journal();
+    b.set_pager(queue::Pager {
+        store: store.clone(),
+        written: written.clone(),
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+    });
+    declare(&mut b, c, "deep");
+    let mut fx = Vec::new();
+    let n = queue::WINDOW_MESSAGES + 10;
+    for i in 0..n {
+        b.publish("/", msg("", "deep", &i.to_string()), &mut fx)
+            .unwrap();
+    }
+    // The committer's part: the spilled messages are written.
+    let ops = b.take_journal();
+    warren_storage::Store::write(&*store, &ops, false).unwrap();
+    written.store(b.journal_seq(), Ordering::Release);
+    b.release_written();
+    assert_eq!(b.messages_in_memory(), queue::WINDOW_MESSAGES);
+
+    store.fail.store(1, Ordering::SeqCst);
+    b.consume(
+        c,
+        1,
+        "/",
+        "deep",
+        "t",
+        true,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
+    // The window goes out; reading the rest fails.
+    assert_eq!(delivered(&fx).len(), queue::WINDOW_MESSAGES);
+    fx.clear();
+    b.retry_reads(&mut fx);
+    let got: Vec<String> = delivered(&fx).into_iter().map(|d| d.3).collect();
+    let want: Vec<String> = (queue::WINDOW_MESSAGES..n).map(|i| i.to_string()).collect();
+    assert_eq!(got, want);
+    assert_eq!(b.queue_info("/", "deep").unwrap().message_count, 0);
+}
