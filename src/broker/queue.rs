@@ -534,8 +534,11 @@ impl Queue {
             l.disk_last = warren_storage::key_id(s.last);
             self.count += s.count as usize;
             self.ready_bytes += s.bytes;
+            self.disk_may_expire |= s.may_expire;
         }
-        self.disk_may_expire = self.count > 0;
+        // Without a TTL on the queue or an expiration on some message, the expiry timer has
+        // nothing to look for on disk (and must not read the head of every queue back).
+        self.disk_may_expire |= self.message_ttl.is_some() && self.count > 0;
         self.redeliver_upto = redeliver_upto;
     }
 

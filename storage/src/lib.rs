@@ -73,6 +73,16 @@ pub struct LevelSummary {
     pub bytes: u64,
     pub first: u64,
     pub last: u64,
+    /// Some message of the level carries an `expiration` property (so the broker's expiry
+    /// timer must look at this level's head after a restart; without, it need not read it).
+    pub may_expire: bool,
+}
+
+/// Whether encoded content properties (as published: property flags first) carry an
+/// `expiration`.
+pub fn has_expiration(properties: &[u8]) -> bool {
+    // Property flags, most significant bit first: content-type (15) ... expiration (8).
+    properties.first().is_some_and(|flags| flags & 0x01 != 0)
 }
 
 /// A stored queue's messages, summed up (recovery reads them back later, a window at a time).

@@ -204,7 +204,13 @@ impl Store for MemStore {
             summaries.push(QueueSummary {
                 vhost: vhost.clone(),
                 name: name.clone(),
-                levels: summarize(msgs.iter().map(|(k, (m, _))| (*k, m.body.len() as u64))),
+                levels: summarize(msgs.iter().map(|(k, (m, _))| {
+                    (
+                        *k,
+                        m.body.len() as u64,
+                        crate::has_expiration(&m.properties),
+                    )
+                })),
             });
         }
         Ok(Recovered {
@@ -248,16 +254,17 @@ impl Store for MemStore {
     }
 }
 
-/// Per-level counts of (key, body size) pairs given in key order.
-pub(crate) fn summarize(entries: impl Iterator<Item = (u64, u64)>) -> Vec<LevelSummary> {
+/// Per-level summaries of (key, body size, carries an expiration) given in key order.
+pub(crate) fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSummary> {
     let mut levels: Vec<LevelSummary> = Vec::new();
-    for (k, size) in entries {
+    for (k, size, expires) in entries {
         let level = crate::key_level(k);
         match levels.last_mut() {
             Some(l) if l.level == level => {
                 l.count += 1;
                 l.bytes += size;
                 l.last = k;
+                l.may_expire |= expires;
             }
             _ => levels.push(LevelSummary {
                 level,
@@ -265,6 +272,7 @@ pub(crate) fn summarize(entries: impl Iterator<Item = (u64, u64)>) -> Vec<LevelS
                 bytes: size,
                 first: k,
                 last: k,
+                may_expire: expires,
             }),
         }
     }

@@ -464,9 +464,9 @@ impl Batches {
     }
 }
 
-/// Recovery's scan of one queue: its key prefix, whether it is defined, (key, body size) of
-/// its messages.
-type Scan = (Vec<u8>, bool, Vec<(u64, u64)>);
+/// A queue's scan at recovery: its key prefix, whether it is declared, and (key, body size,
+/// carries an expiration) of each message.
+type Scan = (Vec<u8>, bool, Vec<(u64, u64, bool)>);
 
 impl Store for RocksStore {
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
@@ -716,13 +716,15 @@ impl RocksStore {
         }
         // Shared bodies: their sizes, then the references the queues hold.
         let shared = self.shared()?;
-        let mut sizes: HashMap<u64, (u32, u64)> = HashMap::new();
+        // id -> (references, body size, carries an expiration)
+        let mut sizes: HashMap<u64, (u32, u64, bool)> = HashMap::new();
         for item in self.db.iterator_cf(&shared, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| self.err(e))?;
             let id = self.message_key(&k)?;
             let m = MessageRecord::decode(Bytes::from(v.into_vec()))
                 .map_err(|e| self.corrupt(e.to_string()))?;
-            sizes.insert(id, (0, m.body.len() as u64));
+            let expires = crate::has_expiration(&m.properties);
+            sizes.insert(id, (0, m.body.len() as u64, expires));
         }
         // One pass over every queue's messages, queue by queue (keys sort by queue).
         let messages = self.messages()?;
@@ -769,11 +771,15 @@ impl RocksStore {
             match MessageEntry::decode(Bytes::from(v.into_vec()))
                 .map_err(|e| self.corrupt(e.to_string()))?
             {
-                MessageEntry::Whole(m) => entries.push((key, m.body.len() as u64)),
+                MessageEntry::Whole(m) => entries.push((
+                    key,
+                    m.body.len() as u64,
+                    crate::has_expiration(&m.properties),
+                )),
                 MessageEntry::Shared => match sizes.get_mut(&key_id(key)) {
-                    Some((n, size)) => {
+                    Some((n, size, expires)) => {
                         *n += 1;
-                        entries.push((key, *size));
+                        entries.push((key, *size, *expires));
                     }
                     None => {
                         // Nothing to deliver: say so and drop the dangling reference.
@@ -799,7 +805,7 @@ impl RocksStore {
         // Bodies nothing refers to any more go.
         let mut refs = self.refs();
         refs.clear();
-        for (id, (n, _)) in sizes {
+        for (id, (n, _, _)) in sizes {
             if n == 0 {
                 cleanup.delete_cf(&shared, id.to_be_bytes());
             } else {

@@ -225,7 +225,8 @@ fn messages_survive_in_order(open: &dyn Fn() -> Box<dyn Store>) {
             count: 2,
             bytes: 2,
             first: 1,
-            last: 3
+            last: 3,
+            may_expire: false,
         }]
     );
     let got = s.read("/", "m2", 0, u64::MAX, 10, 10).unwrap();
