@@ -31,6 +31,9 @@ pub const FRAME_OVERHEAD: usize = 8;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
     Method(u16, AMQPClass),
+    /// basic.publish, the one method every message starts with: its names shared (see
+    /// [`crate::content::Publish`]). `Frame::into_method` gives the generic form.
+    Publish(u16, crate::content::Publish),
     /// A content header. `raw_properties` is the encoded property flags and list exactly as the
     /// publisher sent them; we forward these bytes unchanged so every property and header table
     /// round-trips byte for byte (amq-protocol's `FieldTable` is a sorted map and would reorder).
@@ -47,9 +50,22 @@ pub enum Frame {
 }
 
 impl Frame {
+    /// A `Publish` as the `Method` it is (other frames unchanged).
+    pub fn into_method(self) -> Frame {
+        match self {
+            Frame::Publish(ch, p) => {
+                Frame::Method(ch, AMQPClass::Basic(basic::AMQPMethod::Publish(p.into())))
+            }
+            other => other,
+        }
+    }
+
     pub fn channel(&self) -> u16 {
         match self {
-            Frame::Method(ch, _) | Frame::Body(ch, _) | Frame::Heartbeat(ch) => *ch,
+            Frame::Method(ch, _)
+            | Frame::Publish(ch, _)
+            | Frame::Body(ch, _)
+            | Frame::Heartbeat(ch) => *ch,
             Frame::Header { channel, .. } => *channel,
         }
     }
@@ -98,11 +114,11 @@ impl From<std::io::Error> for FrameError {
 #[derive(Debug)]
 pub struct FrameCodec {
     pub frame_max: u32,
-    /// The last basic.publish payload and what amq-protocol parsed it to. Publishers send the
-    /// same publish method (exchange, routing key, flags) message after message; parsing it
-    /// costs four heap allocations (amq-protocol builds its flag names as strings), a clone of
-    /// the parsed method one per non-empty name.
-    last_publish: Option<(Vec<u8>, basic::Publish)>,
+    /// The last basic.publish payload and what it decoded to. Publishers send the same
+    /// publish method (exchange, routing key, flags) message after message; parsing it costs
+    /// four heap allocations (amq-protocol builds its flag names as strings) and the names
+    /// one each; the remembered one is handed out again, its names shared.
+    last_publish: Option<(Vec<u8>, crate::content::Publish)>,
 }
 
 /// Publish payloads longer than this are not remembered (a short string is at most 255 bytes;
@@ -117,28 +133,29 @@ impl FrameCodec {
         }
     }
 
-    /// Parse a method payload, reusing the last basic.publish when the bytes are the same.
-    fn method(&mut self, payload: &Bytes) -> Result<AMQPClass, FrameError> {
+    /// Decode a method frame; a basic.publish is `Frame::Publish`, the last one reused when
+    /// the bytes are the same.
+    fn method(&mut self, channel: u16, payload: &Bytes) -> Result<Frame, FrameError> {
         if !payload.starts_with(&[0, 60, 0, 40]) {
-            return parse_method(payload);
+            return Ok(Frame::Method(channel, parse_method(payload)?));
         }
         if let Some((raw, publish)) = &self.last_publish {
             if raw[..] == payload[..] {
-                return Ok(AMQPClass::Basic(basic::AMQPMethod::Publish(
-                    publish.clone(),
-                )));
+                return Ok(Frame::Publish(channel, publish.clone()));
             }
         }
         let class = parse_method(payload)?;
-        if let AMQPClass::Basic(basic::AMQPMethod::Publish(p)) = &class {
-            if payload.len() <= PUBLISH_MEMO_MAX {
-                let mut raw = self.last_publish.take().map(|(v, _)| v).unwrap_or_default();
-                raw.clear();
-                raw.extend_from_slice(payload);
-                self.last_publish = Some((raw, p.clone()));
-            }
+        let AMQPClass::Basic(basic::AMQPMethod::Publish(p)) = class else {
+            return Ok(Frame::Method(channel, class));
+        };
+        let p = crate::content::Publish::from(p);
+        if payload.len() <= PUBLISH_MEMO_MAX {
+            let mut raw = self.last_publish.take().map(|(v, _)| v).unwrap_or_default();
+            raw.clear();
+            raw.extend_from_slice(payload);
+            self.last_publish = Some((raw, p.clone()));
         }
-        Ok(class)
+        Ok(Frame::Publish(channel, p))
     }
 }
 
@@ -261,7 +278,7 @@ impl Decoder for FrameCodec {
             });
         }
         let frame = match frame_type {
-            constants::FRAME_METHOD => Frame::Method(channel, self.method(&payload)?),
+            constants::FRAME_METHOD => self.method(channel, &payload)?,
             constants::FRAME_HEADER => {
                 let header = parse_content_header(&payload[..])
                     .map_err(|_| FrameError::BadHeader {
@@ -724,11 +741,20 @@ mod tests {
         }
         let mut codec = FrameCodec::new(0);
         let mut buf = BytesMut::from(&bytes[..]);
+        let mut last: Option<crate::content::Publish> = None;
         for m in &sequence {
-            assert_eq!(
-                codec.decode(&mut buf),
-                Ok(Some(Frame::Method(1, m.clone())))
-            );
+            let frame = codec.decode(&mut buf).unwrap().unwrap();
+            // A publish comes as `Frame::Publish`; as a method it is what was sent.
+            if let Frame::Publish(_, p) = &frame {
+                // Repeated bytes share the names of the previous decode.
+                if let Some(prev) = &last {
+                    if prev == p {
+                        assert!(std::sync::Arc::ptr_eq(&prev.routing_key, &p.routing_key));
+                    }
+                }
+                last = Some(p.clone());
+            }
+            assert_eq!(frame.into_method(), Frame::Method(1, m.clone()));
         }
         assert!(buf.is_empty());
     }

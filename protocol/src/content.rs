@@ -2,8 +2,42 @@
 
 use crate::body::Body;
 use crate::reply::{AmqpError, ReplyCode};
-use amq_protocol::protocol::basic::{AMQPProperties, Publish};
+use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::Bytes;
+use std::sync::Arc;
+
+/// basic.publish's arguments, its names shared: publishers repeat the same exchange and
+/// routing key message after message, and the decoder hands out the same strings each time
+/// (see `FrameCodec`), so a publish copies no name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Publish {
+    pub exchange: Arc<str>,
+    pub routing_key: Arc<str>,
+    pub mandatory: bool,
+    pub immediate: bool,
+}
+
+impl From<amq_protocol::protocol::basic::Publish> for Publish {
+    fn from(p: amq_protocol::protocol::basic::Publish) -> Self {
+        Publish {
+            exchange: p.exchange.as_str().into(),
+            routing_key: p.routing_key.as_str().into(),
+            mandatory: p.mandatory,
+            immediate: p.immediate,
+        }
+    }
+}
+
+impl From<Publish> for amq_protocol::protocol::basic::Publish {
+    fn from(p: Publish) -> Self {
+        amq_protocol::protocol::basic::Publish {
+            exchange: p.exchange.as_ref().into(),
+            routing_key: p.routing_key.as_ref().into(),
+            mandatory: p.mandatory,
+            immediate: p.immediate,
+        }
+    }
+}
 
 /// One complete published message as it came off the wire.
 #[derive(Debug, Clone)]
@@ -188,8 +222,10 @@ mod tests {
 
     fn publish() -> Publish {
         Publish {
+            exchange: "".into(),
             routing_key: "k".into(),
-            ..Default::default()
+            mandatory: false,
+            immediate: false,
         }
     }
 

@@ -16,5 +16,5 @@ pub use amq_protocol::protocol::{AMQPClass, BasicProperties};
 pub use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 pub use body::Body;
 pub use codec::{Frame, FrameCodec, FrameError, OutBuffer, PROTOCOL_HEADER};
-pub use content::{Content, ContentAssembler};
+pub use content::{Content, ContentAssembler, Publish};
 pub use reply::{AmqpError, ReplyCode};

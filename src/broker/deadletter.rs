@@ -114,14 +114,14 @@ pub fn dead_letter_properties(
         .as_ref()
         .map(|h| h.inner().clone())
         .unwrap_or_default();
-    let mut routing_keys = vec![s(msg.routing_key.as_str())];
+    let mut routing_keys = vec![s(msg.routing_key.as_ref())];
     routing_keys.extend(header_keys(p.headers().as_ref(), "CC").iter().map(|k| s(k)));
     let mut fields: Vec<(&'static str, AMQPValue)> = vec![
         ("count", AMQPValue::LongLongInt(1)),
         ("reason", s(reason.as_str())),
         ("queue", s(queue)),
         ("time", AMQPValue::Timestamp(now_secs)),
-        ("exchange", s(msg.exchange.as_str())),
+        ("exchange", s(msg.exchange.as_ref())),
         (
             "routing-keys",
             AMQPValue::FieldArray(FieldArray::from(routing_keys)),
@@ -173,7 +173,7 @@ pub fn dead_letter_properties(
     );
     if first_death {
         for (k, v) in [
-            ("x-first-death-exchange", msg.exchange.as_str()),
+            ("x-first-death-exchange", msg.exchange.as_ref()),
             ("x-first-death-queue", queue),
             ("x-first-death-reason", reason.as_str()),
         ] {
@@ -183,7 +183,7 @@ pub fn dead_letter_properties(
     // RabbitMQ 3.13's x-last-death-* name the newest death (3.10 has none; clients written for
     // newer brokers read them).
     for (k, v) in [
-        ("x-last-death-exchange", msg.exchange.as_str()),
+        ("x-last-death-exchange", msg.exchange.as_ref()),
         ("x-last-death-queue", queue),
         ("x-last-death-reason", reason.as_str()),
     ] {

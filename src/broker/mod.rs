@@ -17,7 +17,7 @@ pub mod queue;
 pub mod topic;
 
 use amq_protocol::protocol::basic::AMQPProperties;
-use amq_protocol::types::{AMQPValue, FieldTable, ShortString};
+use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::Bytes;
 use exchange::{Dest, Exchange, ExchangeKind};
 use queue::{ConsumerKey, DropReason, Overflow, Pushed, Queue, QueueConsumer, QueuedMessage};
@@ -44,8 +44,9 @@ pub type Journal = SmallVec<[Op; 2]>;
 /// A published message, shared (not copied) by every queue it was routed to.
 #[derive(Debug)]
 pub struct Message {
-    pub exchange: ShortString,
-    pub routing_key: ShortString,
+    /// Shared with the publish that brought it (and the ops that store it).
+    pub exchange: warren_storage::Name,
+    pub routing_key: warren_storage::Name,
     pub properties: AMQPProperties,
     /// Encoded properties exactly as published; sent unchanged on delivery.
     pub raw_properties: Bytes,
@@ -784,7 +785,7 @@ impl Broker {
         let keys: Vec<String> = match &dlrk {
             Some(k) => vec![k.clone()],
             None => {
-                let mut keys = vec![m.msg.routing_key.as_str().to_string()];
+                let mut keys = vec![m.msg.routing_key.to_string()];
                 keys.extend(deadletter::header_keys(
                     m.msg.properties.headers().as_ref(),
                     "CC",
@@ -792,7 +793,7 @@ impl Broker {
                 keys
             }
         };
-        let routing_key = dlrk.unwrap_or_else(|| m.msg.routing_key.as_str().to_string());
+        let routing_key = dlrk.unwrap_or_else(|| m.msg.routing_key.to_string());
         let msg = Message {
             exchange: dlx.as_str().into(),
             routing_key: routing_key.as_str().into(),
@@ -1691,12 +1692,8 @@ impl Broker {
         } else {
             msg
         };
-        if msg.exchange.as_str().is_empty() {
-            if let Some(suffix) = msg
-                .routing_key
-                .as_str()
-                .strip_prefix("amq.rabbitmq.reply-to.")
-            {
+        if msg.exchange.as_ref().is_empty() {
+            if let Some(suffix) = msg.routing_key.strip_prefix("amq.rabbitmq.reply-to.") {
                 let delivered = self.deliver_reply(suffix, &msg, fx);
                 return Ok(PublishOutcome {
                     routed: delivered as usize,
@@ -1708,9 +1705,9 @@ impl Broker {
         }
         let targets = {
             let mut keys: SmallVec<[&str; 4]> = SmallVec::new();
-            keys.push(msg.routing_key.as_str());
+            keys.push(msg.routing_key.as_ref());
             keys.extend(cc.iter().chain(&bcc).map(String::as_str));
-            self.route_keys(vhost, msg.exchange.as_str(), &keys, &msg, true)?
+            self.route_keys(vhost, msg.exchange.as_ref(), &keys, &msg, true)?
         };
         let outcome = self.deliver(&targets, msg, fx);
         self.settle(fx);
@@ -1774,8 +1771,8 @@ impl Broker {
                     queues: stored,
                     id,
                     timestamp_ms: self.now_ms,
-                    exchange: msg.exchange.as_str().to_string(),
-                    routing_key: msg.routing_key.as_str().to_string(),
+                    exchange: msg.exchange.clone(),
+                    routing_key: msg.routing_key.clone(),
                     properties: msg.raw_properties.clone(),
                     body: msg.body.clone(),
                 });
@@ -1792,7 +1789,7 @@ impl Broker {
 
     /// The queues a message goes to (each once), following exchange-to-exchange bindings.
     pub fn route(&self, vhost: &str, exchange: &str, msg: &Message) -> Result<Targets, AmqpError> {
-        self.route_keys(vhost, exchange, &[msg.routing_key.as_str()], msg, true)
+        self.route_keys(vhost, exchange, &[msg.routing_key.as_ref()], msg, true)
     }
 
     /// Route with several routing keys (CC/BCC, dead-lettering); each queue once. The internal
@@ -1932,8 +1929,8 @@ impl Broker {
                     queue: q.name.clone(),
                     key: warren_storage::message_key(q.level(&msg) as u8, id),
                     timestamp_ms: at,
-                    exchange: msg.exchange.as_str().to_string(),
-                    routing_key: msg.routing_key.as_str().to_string(),
+                    exchange: msg.exchange.clone(),
+                    routing_key: msg.routing_key.clone(),
                     properties: msg.raw_properties.clone(),
                     body: msg.body.clone(),
                 });

@@ -101,8 +101,8 @@ impl Outbox {
                 consumer_tag,
                 delivery_tag,
                 redelivered,
-                msg.exchange.as_str(),
-                msg.routing_key.as_str(),
+                msg.exchange.as_ref(),
+                msg.routing_key.as_ref(),
             );
             b.content(channel, &msg.raw_properties, &msg.body, frame_max);
         });

@@ -251,9 +251,22 @@ impl Session {
 
     fn dispatch(&mut self, frame: Frame) -> Result<Next, AmqpError> {
         if self.phase != Phase::Open {
-            return self.handshake(frame);
+            return self.handshake(frame.into_method());
         }
         match frame {
+            // The method every message starts with, straight to its channel's content when the
+            // channel takes it as it is (open, not closing, no content pending); otherwise the
+            // generic path gives the same answers as for any method.
+            Frame::Publish(ch, p) => match self.channels.get_mut(&ch) {
+                Some(chan) if ch != 0 && !chan.closing && chan.content.is_idle() => {
+                    if p.immediate {
+                        return Err(AmqpError::not_implemented("immediate=true").on(60, 40));
+                    }
+                    chan.content.publish(p).map_err(|e| e.on(60, 40))?;
+                    Ok(Next::Continue)
+                }
+                _ => self.dispatch(Frame::Publish(ch, p).into_method()),
+            },
             Frame::Heartbeat(0) => Ok(Next::Continue),
             Frame::Heartbeat(_) => Err(AmqpError::new(
                 ReplyCode::UnexpectedFrame,

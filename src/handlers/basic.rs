@@ -40,7 +40,7 @@ impl Session {
                 if p.immediate {
                     return Err(AmqpError::not_implemented("immediate=true"));
                 }
-                self.chan(ch)?.content.publish(p)
+                self.chan(ch)?.content.publish(p.into())
             }
             M::Get(g) => self.basic_get(ch, g),
             M::Ack(a) => self.basic_ack(
@@ -119,8 +119,8 @@ impl Session {
                     &AMQPClass::Basic(M::GetOk(basic::GetOk {
                         delivery_tag: r.delivery_tag,
                         redelivered: r.redelivered,
-                        exchange: r.msg.exchange.clone(),
-                        routing_key: r.msg.routing_key.clone(),
+                        exchange: r.msg.exchange.as_ref().into(),
+                        routing_key: r.msg.routing_key.as_ref().into(),
                         message_count: r.message_count,
                     })),
                     &r.msg,
@@ -220,7 +220,7 @@ impl Session {
             // Errors about the exchange come now, as in RabbitMQ; routing happens at commit.
             let vhost = &self.vhost;
             core(&self.shared, &mut self.ctx, |b, _| {
-                b.route(vhost, msg.exchange.as_str(), &msg).map(|_| ())
+                b.route(vhost, msg.exchange.as_ref(), &msg).map(|_| ())
             })
             .map_err(|e| e.on(60, 40))?;
             if let Some(tx) = self.chan(ch)?.tx.as_mut() {
@@ -279,8 +279,8 @@ impl Session {
                     &AMQPClass::Basic(M::Return(basic::Return {
                         reply_code: ReplyCode::NoRoute.code(),
                         reply_text: "NO_ROUTE".into(),
-                        exchange: msg.exchange.clone(),
-                        routing_key: msg.routing_key.clone(),
+                        exchange: msg.exchange.as_ref().into(),
+                        routing_key: msg.routing_key.as_ref().into(),
                     })),
                     &msg,
                 );
