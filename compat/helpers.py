@@ -172,20 +172,22 @@ def wait_message_count(ch, queue, expected, timeout=3.0):
         ch.connection.sleep(0.02)
 
 
-def _server_product():
-    """The broker's product name (from connection.start), or None if none answers."""
+def _server_platform():
+    """The broker's `platform` server property (from connection.start), or None if none
+    answers. Warren reports product "RabbitMQ" (clients gate RabbitMQ features on it) and
+    names itself in `platform`."""
     try:
         conn = pika.BlockingConnection(make_params())
     except Exception:  # noqa: BLE001 - no broker: tests will fail on their own
         return None
     try:
-        product = conn._impl.server_properties.get("product")
-        return product.decode() if isinstance(product, bytes) else product
+        platform = conn._impl.server_properties.get("platform")
+        return platform.decode() if isinstance(platform, bytes) else platform
     finally:
         conn.close()
 
 
-WARREN = _server_product() == "Warren"
+WARREN = (_server_platform() or "").startswith("Warren")
 
 
 def warren_deviation(reason):

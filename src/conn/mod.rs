@@ -211,6 +211,16 @@ pub async fn serve(
                                     closing_deadline = Some(Instant::now() + Duration::from_secs(3));
                                 }
                             }
+                            Next::Drain => {
+                                if closing_deadline.is_none() {
+                                    // RabbitMQ waits for the client's TCP close up to the
+                                    // heartbeat interval, at most 30 s.
+                                    let hb = session.heartbeat();
+                                    let wait = if hb > 0 { hb.min(30) } else { 30 };
+                                    closing_deadline =
+                                        Some(Instant::now() + Duration::from_secs(wait as u64));
+                                }
+                            }
                             Next::Close => break,
                         }
                     }

@@ -25,6 +25,11 @@ pub enum Next {
     Closing,
     /// Close the socket now (after flushing).
     Close,
+    /// The client closed the connection and has its close-ok: read and drop what it still
+    /// sends until it closes the socket (bounded by the caller), as RabbitMQ does. Clients
+    /// that send connection.close from several threads at once read the close-ok and shut
+    /// down cleanly only if the socket stays open until they do.
+    Drain,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +40,8 @@ pub(crate) enum Phase {
     Open,
     /// We sent connection.close; only close-ok (or close) matters now.
     Closing,
+    /// The client closed the connection and got close-ok (`Next::Drain`); its state is gone.
+    Closed,
 }
 
 /// One buffered acknowledgement inside a transaction.
@@ -229,6 +236,17 @@ impl Session {
 
     /// Handle one frame; errors become channel.close or connection.close here.
     pub fn handle(&mut self, frame: Frame) -> Next {
+        if self.phase == Phase::Closed {
+            // A repeated connection.close gets its close-ok too (RabbitMQ answers each).
+            if let Frame::Method(
+                0,
+                AMQPClass::Connection(amq_protocol::protocol::connection::AMQPMethod::Close(_)),
+            ) = frame
+            {
+                self.send_connection_close_ok();
+            }
+            return Next::Drain;
+        }
         if self.phase == Phase::Closing {
             return match frame {
                 Frame::Method(0, AMQPClass::Connection(m)) => match m {
@@ -317,7 +335,9 @@ impl Session {
                         self.channels.remove(&ch);
                     }
                     AMQPClass::Channel(C::Close(_)) => {
-                        self.channels.remove(&ch);
+                        // The client closed it too (the closes crossed): answer, and keep
+                        // waiting for the close-ok of ours, as RabbitMQ does; forgetting the
+                        // channel now would make that close-ok a 504 on an unknown channel.
                         self.outbox.method(
                             ch,
                             &AMQPClass::Channel(C::CloseOk(
@@ -389,7 +409,7 @@ impl Session {
             FrameError::PrefetchSize(_) => AmqpError::new(ReplyCode::NotImplemented, e).on(60, 10),
             FrameError::Io(_) => return,
         };
-        if self.phase == Phase::Closing {
+        if matches!(self.phase, Phase::Closing | Phase::Closed) {
             return;
         }
         let mut err = err;

@@ -135,6 +135,50 @@ async fn queue_method_on_channel_zero_is_504() {
     );
 }
 
+/// The server closes a channel (an error) while the client closes it too: each close gets its
+/// close-ok, the server forgets the channel only at the client's close-ok (not at its close),
+/// and the connection carries on (amqp091-go's `TestChannelExceptionWithCloseIssue43`).
+#[tokio::test]
+async fn crossing_channel_closes_are_both_answered_and_the_connection_carries_on() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    // A channel error and the client's own close, back to back.
+    raw.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "no-such-queue".into(),
+            passive: true,
+            ..Default::default()
+        })),
+    )
+    .await;
+    raw.send(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        })),
+    )
+    .await;
+    let close = raw.expect_channel_close(1).await;
+    assert_eq!(close.reply_code, 404);
+    assert!(matches!(
+        raw.recv_method().await,
+        Some((1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))))
+    ));
+    // The client's answer to the server's close: not a 504 on an unknown channel.
+    raw.send(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    )
+    .await;
+    raw.open_channel(2).await;
+    raw.open_channel(1).await;
+}
+
 #[tokio::test]
 async fn a_closed_channel_number_can_be_reused() {
     let server = TestServer::start().await;

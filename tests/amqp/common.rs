@@ -343,6 +343,15 @@ impl Raw {
         }
     }
 
+    /// Send channel.open without waiting for the answer.
+    pub async fn open_channel_no_wait(&mut self, ch: u16) {
+        self.send(
+            ch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await;
+    }
+
     /// The server closes the socket (EOF) within [`WAIT`].
     pub async fn expect_eof(&mut self) {
         loop {

@@ -25,6 +25,17 @@ async fn server_properties_and_capabilities() {
             "missing {key}"
         );
     }
+    // Product "RabbitMQ" (clients gate RabbitMQ's extensions on it); Warren in `platform`.
+    let text = |key: &str| match props.get(key) {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).to_string(),
+        other => panic!("{key}: {other:?}"),
+    };
+    assert_eq!(text("product"), "RabbitMQ");
+    assert!(
+        text("platform").starts_with("Warren "),
+        "{}",
+        text("platform")
+    );
     let Some(AMQPValue::FieldTable(caps)) = props.get("capabilities") else {
         panic!("no capabilities table");
     };
@@ -289,24 +300,64 @@ async fn a_peer_that_sends_heartbeats_stays_connected() {
     raw.open_channel(1).await;
 }
 
+/// connection.close from the client: its state goes (exclusive queues included) before the
+/// close-ok; then, as in RabbitMQ, the socket stays open until the client closes it (frames are
+/// dropped, a repeated close gets close-ok again: clients that close from several threads at
+/// once, like amqp091-go's `TestConcurrentClose`, rely on it).
 #[tokio::test]
-async fn close_from_the_client_gets_close_ok() {
+async fn close_from_the_client_gets_close_ok_and_the_socket_waits_for_the_client() {
+    use amq_protocol::protocol::queue;
+    use tokio::io::AsyncWriteExt;
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
     raw.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
-            reply_code: 200,
-            reply_text: "bye".into(),
-            class_id: 0,
-            method_id: 0,
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "mine".into(),
+            exclusive: true,
+            ..Default::default()
         })),
     )
     .await;
     assert!(matches!(
         raw.recv_method().await,
+        Some((1, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))))
+    ));
+    let close = || {
+        AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        }))
+    };
+    raw.send(0, close()).await;
+    assert!(matches!(
+        raw.recv_method().await,
         Some((0, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))))
     ));
+    // The exclusive queue went with the connection's state, before the close-ok.
+    let other = server.connect().await;
+    let ch = other.create_channel().await.unwrap();
+    ch.queue_declare(
+        "mine".into(),
+        lapin::options::QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    // Still open: anything else is dropped, a second close is answered too.
+    raw.open_channel_no_wait(2).await;
+    raw.send(0, close()).await;
+    assert!(matches!(
+        raw.recv_method().await,
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))))
+    ));
+    raw.stream.shutdown().await.unwrap();
     raw.expect_eof().await;
 }
 
