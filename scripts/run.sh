@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and start Warren with its defaults: AMQP on 0.0.0.0:5672, data in ./data.
+# Build and start Warren with its defaults: AMQP on [::]:5672 (IPv4 and IPv6), data in ./data.
 # Extra arguments go to `warren server` (see `warren server --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."

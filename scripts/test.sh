@@ -17,4 +17,5 @@ echo "== client library suites against the warren binary"
 cargo build --bin warren
 bash compat/lapin-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/go-suite.sh "$CARGO_TARGET_DIR/debug/warren"
+bash compat/node/run.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"

@@ -36,7 +36,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Config {
-            amqp_listen: SocketAddr::from(([0, 0, 0, 0], 5672)),
+            amqp_listen: SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 5672)),
             data_dir: PathBuf::from("./data"),
             channel_max: 2047,
             frame_max: 131072,

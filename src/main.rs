@@ -31,8 +31,9 @@ enum Command {
 
 #[derive(clap::Args, Debug, Clone)]
 struct ServerArgs {
-    /// Address to accept AMQP connections on.
-    #[arg(long, env = "WARREN_AMQP_LISTEN", default_value = "0.0.0.0:5672")]
+    /// Address to accept AMQP connections on. The default, [::]:5672, takes IPv4 and IPv6
+    /// clients alike, as RabbitMQ does (IPv4 only where the host has no IPv6).
+    #[arg(long, env = "WARREN_AMQP_LISTEN", default_value = "[::]:5672")]
     amqp_listen: SocketAddr,
     /// Folder for the broker's durable state.
     #[arg(long, env = "WARREN_DATA_DIR", default_value = "./data")]
@@ -82,9 +83,18 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         disk_free_limit: args.disk_free_limit,
         ..Default::default()
     };
-    let listener = tokio::net::TcpListener::bind(config.amqp_listen)
-        .await
-        .with_context(|| format!("binding {}", config.amqp_listen))?;
+    let listener = match tokio::net::TcpListener::bind(config.amqp_listen).await {
+        Ok(l) => l,
+        // No IPv6 on this host: the unspecified IPv6 address falls back to IPv4's.
+        Err(e) if config.amqp_listen.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+            let v4 = SocketAddr::from(([0, 0, 0, 0], config.amqp_listen.port()));
+            tracing::warn!(error = %e, "no IPv6, listening on {v4}");
+            tokio::net::TcpListener::bind(v4)
+                .await
+                .with_context(|| format!("binding {v4}"))?
+        }
+        Err(e) => return Err(e).with_context(|| format!("binding {}", config.amqp_listen)),
+    };
     warren::run(listener, config, shutdown_signal()).await
 }
 

@@ -92,7 +92,8 @@ pub(crate) fn login_allowed(
 ) -> bool {
     let known = config.users.iter().any(|(u, p)| u == user && p == pass);
     let loopback_only = config.loopback_users.iter().any(|u| u == user);
-    known && (!loopback_only || ip.is_loopback())
+    // An IPv4 client of a dual-stack listener arrives as ::ffff:a.b.c.d.
+    known && (!loopback_only || ip.to_canonical().is_loopback())
 }
 
 impl Session {
@@ -340,6 +341,11 @@ mod tests {
         let remote: std::net::IpAddr = "192.0.2.7".parse().unwrap();
         assert!(login_allowed(&config, "guest", "guest", lo));
         assert!(login_allowed(&config, "guest", "guest", lo6));
+        // 127.0.0.1 through a dual-stack ([::]) listener.
+        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        assert!(login_allowed(&config, "guest", "guest", mapped));
+        let mapped_remote: std::net::IpAddr = "::ffff:10.1.2.3".parse().unwrap();
+        assert!(!login_allowed(&config, "guest", "guest", mapped_remote));
         assert!(!login_allowed(&config, "guest", "guest", remote));
         assert!(login_allowed(&config, "app", "pw", remote));
         assert!(!login_allowed(&config, "app", "nope", lo));
