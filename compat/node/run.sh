@@ -79,7 +79,7 @@ fi
 
 out=$(mktemp)
 status=0
-echo "amqplib $(node -p 'require("amqplib/package.json").version') suite against $url"
+echo "amqplib $(node -p 'JSON.parse(require("fs").readFileSync("node_modules/amqplib/package.json")).version') suite against $url"
 AMQP_URL="$url" AMQP_BLOCKED_URL="$blocked_url" timeout "$suite_timeout" \
     npx --no-install mocha --exit --timeout 10000 --reporter spec 'test/*.test.js' 'test-blocked/*.test.js' 2>&1 | tee "$out"
 status=${PIPESTATUS[0]}
