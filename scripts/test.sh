@@ -18,4 +18,5 @@ cargo build --bin warren
 bash compat/lapin-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/go-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/node/run.sh "$CARGO_TARGET_DIR/debug/warren"
+bash compat/py-suites.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"
