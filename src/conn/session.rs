@@ -607,3 +607,13 @@ impl Session {
         }
     }
 }
+
+/// RabbitMQ removes CR and LF from the queue and exchange names of declare, delete and the
+/// bindings (not of purge or consume); the declare-ok carries the stripped name.
+pub(crate) fn strip_cr_lf(name: &str) -> std::borrow::Cow<'_, str> {
+    if name.contains(['\r', '\n']) {
+        name.replace(['\r', '\n'], "").into()
+    } else {
+        name.into()
+    }
+}

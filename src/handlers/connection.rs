@@ -31,7 +31,13 @@ fn server_properties() -> FieldTable {
     // (amqp091-go's suite skips its RabbitMQ tests otherwise, leaving their connections open,
     // which its leak check then fails). `platform` and `information` say what answers.
     props.insert("product".into(), s("RabbitMQ"));
-    props.insert("version".into(), s(env!("CARGO_PKG_VERSION")));
+    // The RabbitMQ version whose behaviour Warren follows, with Warren's own after the `+`:
+    // clients and test suites compare versions to pick features (the RabbitMQ Java client's
+    // read 0.1.0 as older than 3.8 and skip or change tests); they ignore what follows `+`.
+    props.insert(
+        "version".into(),
+        s(concat!("3.10.8+warren.", env!("CARGO_PKG_VERSION"))),
+    );
     props.insert(
         "platform".into(),
         s(&format!(

@@ -1,7 +1,7 @@
 //! exchange class: declare, delete, bind, unbind.
 
 use crate::broker::ExchangeDeclare;
-use crate::conn::session::{core_durable, Session};
+use crate::conn::session::{core_durable, strip_cr_lf, Session};
 use amq_protocol::protocol::exchange::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -13,8 +13,8 @@ impl Session {
             M::Delete(d) => self.exchange_delete(ch, d),
             M::Bind(b) => self.exchange_bind(
                 ch,
-                b.destination.as_str(),
-                b.source.as_str(),
+                &strip_cr_lf(b.destination.as_str()),
+                &strip_cr_lf(b.source.as_str()),
                 b.routing_key.as_str(),
                 &b.arguments,
                 b.nowait,
@@ -22,8 +22,8 @@ impl Session {
             ),
             M::Unbind(b) => self.exchange_bind(
                 ch,
-                b.destination.as_str(),
-                b.source.as_str(),
+                &strip_cr_lf(b.destination.as_str()),
+                &strip_cr_lf(b.source.as_str()),
                 b.routing_key.as_str(),
                 &b.arguments,
                 b.nowait,
@@ -37,7 +37,7 @@ impl Session {
 
     fn exchange_declare(&mut self, ch: u16, d: exchange::Declare) -> Result<(), AmqpError> {
         let decl = ExchangeDeclare {
-            name: d.exchange.as_str().to_string(),
+            name: strip_cr_lf(d.exchange.as_str()).into_owned(),
             kind: d.kind.as_str().to_string(),
             passive: d.passive,
             durable: d.durable,
@@ -59,7 +59,12 @@ impl Session {
 
     fn exchange_delete(&mut self, ch: u16, d: exchange::Delete) -> Result<(), AmqpError> {
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            match b.exchange_delete(&self.vhost, d.exchange.as_str(), d.if_unused, fx) {
+            match b.exchange_delete(
+                &self.vhost,
+                &strip_cr_lf(d.exchange.as_str()),
+                d.if_unused,
+                fx,
+            ) {
                 Ok(()) => {}
                 // RabbitMQ answers delete-ok for an exchange that does not exist.
                 Err(e) if e.code == warren_protocol::ReplyCode::NotFound => {}

@@ -1,7 +1,7 @@
 //! queue class: declare, bind, unbind, purge, delete.
 
 use crate::broker::QueueDeclare;
-use crate::conn::session::{core_durable, Session};
+use crate::conn::session::{core_durable, strip_cr_lf, Session};
 use amq_protocol::protocol::queue::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -11,7 +11,7 @@ impl Session {
         match m {
             M::Declare(d) => self.queue_declare(ch, d),
             M::Bind(b) => {
-                let queue = self.resolve_queue(ch, b.queue.as_str())?;
+                let queue = self.resolve_queue(ch, &strip_cr_lf(b.queue.as_str()))?;
                 // An empty routing key with an empty queue name means the queue's name.
                 let key = if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() {
                     queue.clone()
@@ -21,7 +21,7 @@ impl Session {
                 self.queue_bind(
                     ch,
                     &queue,
-                    b.exchange.as_str(),
+                    &strip_cr_lf(b.exchange.as_str()),
                     &key,
                     &b.arguments,
                     b.nowait,
@@ -29,11 +29,11 @@ impl Session {
                 )
             }
             M::Unbind(b) => {
-                let queue = self.resolve_queue(ch, b.queue.as_str())?;
+                let queue = self.resolve_queue(ch, &strip_cr_lf(b.queue.as_str()))?;
                 self.queue_bind(
                     ch,
                     &queue,
-                    b.exchange.as_str(),
+                    &strip_cr_lf(b.exchange.as_str()),
                     b.routing_key.as_str(),
                     &b.arguments,
                     false,
@@ -57,7 +57,7 @@ impl Session {
                 })
             }
             M::Delete(d) => {
-                let queue = self.resolve_queue(ch, d.queue.as_str())?;
+                let queue = self.resolve_queue(ch, &strip_cr_lf(d.queue.as_str()))?;
                 let conn = self.conn;
                 core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
                     let count =
@@ -85,7 +85,7 @@ impl Session {
         let name = if d.passive && d.queue.as_str().is_empty() {
             self.resolve_queue(ch, "")?
         } else {
-            d.queue.as_str().to_string()
+            strip_cr_lf(d.queue.as_str()).into_owned()
         };
         let decl = QueueDeclare {
             name,

@@ -32,6 +32,11 @@ async fn server_properties_and_capabilities() {
     };
     assert_eq!(text("product"), "RabbitMQ");
     assert!(
+        text("version").starts_with("3.10.8+warren."),
+        "{}",
+        text("version")
+    );
+    assert!(
         text("platform").starts_with("Warren "),
         "{}",
         text("platform")

@@ -448,3 +448,78 @@ async fn deleting_a_queue_notifies_its_consumers() {
     let next = tokio::time::timeout(WAIT, consumer.next()).await.unwrap();
     assert!(next.is_none(), "consumer stream ends: {next:?}");
 }
+
+/// RabbitMQ removes CR and LF from the names in declare, delete and bindings (the RabbitMQ Java
+/// client's QueueLifecycle and ExchangeDeclare tests rely on it); declare-ok names the result.
+#[tokio::test]
+async fn names_lose_cr_and_lf_in_declare_delete_and_bindings() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            "crlf\n_q\r".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q.name().as_str(), "crlf_q");
+    ch.exchange_declare(
+        "crlf_x\r\n".into(),
+        lapin::ExchangeKind::Fanout,
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    ch.queue_declare("crlf_q".into(), passive, FieldTable::default())
+        .await
+        .unwrap();
+    ch.exchange_declare(
+        "crlf_x".into(),
+        lapin::ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        "crl\nf_q".into(),
+        "\ncrlf_x".into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.basic_publish(
+        "crlf_x".into(),
+        "".into(),
+        Default::default(),
+        b"m",
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let got = ch
+        .basic_get("crlf_q".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap();
+    assert!(got.is_some(), "the binding made with CR/LF names routes");
+    ch.queue_delete("crlf_q\n".into(), Default::default())
+        .await
+        .unwrap();
+    let err = ch
+        .queue_declare("crlf_q".into(), passive, FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&err), Some(404));
+}
