@@ -712,12 +712,26 @@ impl Broker {
                     }
                 }
             }
+            let now = self.now_ms;
+            let mut touched: Vec<QueueId> = Vec::new();
             for (qid, qm) in requeue.into_iter().rev() {
                 if let Some(q) = self.queues.get_mut(&qid) {
                     q.unacked -= 1;
                     if !q.requeue(qm) {
                         self.dirty.push(qid);
                     }
+                    if !touched.contains(&qid) {
+                        touched.push(qid);
+                    }
+                }
+            }
+            for qid in touched {
+                if self
+                    .queues
+                    .get_mut(&qid)
+                    .is_some_and(|q| q.after_requeue(now))
+                {
+                    self.dirty.push(qid);
                 }
             }
             if self.cancel(*conn, *ch, tag, fx) {
@@ -906,6 +920,7 @@ impl Broker {
             touched.push(consumer.queue);
         }
         // Requeue newest first so each lands in front of the ones after it.
+        let now = self.now_ms;
         for (_, u) in state.unacked.into_iter().rev() {
             if let Some(q) = self.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
@@ -917,9 +932,20 @@ impl Broker {
         }
         touched.sort_unstable();
         touched.dedup();
+        for &id in &touched {
+            if self
+                .queues
+                .get_mut(&id)
+                .is_some_and(|q| q.after_requeue(now))
+            {
+                self.dirty.push(id);
+            }
+        }
         for id in touched {
             self.after_consumer_change(id, fx);
         }
+        // What the requeues dropped (expired, over a limit, past a delivery limit).
+        self.settle(fx);
     }
 
     /// After consumers left or messages returned: auto-delete, or dispatch.
@@ -2520,6 +2546,7 @@ impl Broker {
                 self.dead_letter(u.queue, &u.qm, DropReason::Rejected, fx);
             }
         }
+        let now = self.now_ms;
         for u in taken.into_iter().rev() {
             if let Some(q) = self.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
@@ -2529,6 +2556,17 @@ impl Broker {
             }
             if !touched.contains(&u.queue) {
                 touched.push(u.queue);
+            }
+        }
+        if requeue {
+            for &id in &touched {
+                if self
+                    .queues
+                    .get_mut(&id)
+                    .is_some_and(|q| q.after_requeue(now))
+                {
+                    self.dirty.push(id);
+                }
             }
         }
         self.dispatch_after_ack(conn, ch, touched, fx);

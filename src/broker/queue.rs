@@ -545,6 +545,7 @@ impl Queue {
     /// Put a message back at its original place (by id, within its priority). In a quorum queue
     /// a message returned more often than x-delivery-limit is dropped instead (to be
     /// dead-lettered); returns false then.
+    /// The caller calls `after_requeue` once it has put back all it puts back.
     pub fn requeue(&mut self, mut qm: QueuedMessage) -> bool {
         qm.redelivered = true;
         if self.quorum {
@@ -572,6 +573,18 @@ impl Queue {
             _ => l.push_front(qm),
         }
         true
+    }
+
+    /// After requeues, as in RabbitMQ: what expired meanwhile leaves from the head (a TTL-0
+    /// message does not come back), and x-max-length / x-max-length-bytes apply again
+    /// (drop-head, oldest first). Returns whether anything left for `dropped` (the caller
+    /// dead-letters it).
+    pub fn after_requeue(&mut self, now: u64) -> bool {
+        let mut gone = self.drop_expired(now);
+        if self.overflow == Overflow::DropHead {
+            gone += self.trim_to_limits();
+        }
+        gone > 0
     }
 
     /// The message as a consumer of this queue receives it: quorum queues add

@@ -719,3 +719,80 @@ async fn quorum_queues_refuse_global_qos() {
         )
     );
 }
+
+/// Requeued messages count against x-max-length again: the head goes (drop-head), to the
+/// dead-letter exchange with reason maxlen (the RabbitMQ Java client's QueueSizeLimit.requeue
+/// and requeueWithDlx).
+#[tokio::test]
+async fn max_length_applies_again_after_a_requeue() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let dlq = declare(&ch, "", FieldTable::default()).await;
+    let q = declare(
+        &ch,
+        "",
+        args(&[
+            ("x-max-length", AMQPValue::LongInt(2)),
+            ("x-dead-letter-exchange", s("")),
+            ("x-dead-letter-routing-key", s(dlq.as_str())),
+        ]),
+    )
+    .await;
+    publish(&ch, q.as_str(), "m1", BasicProperties::default()).await;
+    publish(&ch, q.as_str(), "m2", BasicProperties::default()).await;
+    let mut tags = Vec::new();
+    for _ in 0..2 {
+        let m = ch
+            .basic_get(q.as_str().into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .unwrap();
+        tags.push(m.delivery.delivery_tag);
+    }
+    publish(&ch, q.as_str(), "m3", BasicProperties::default()).await;
+    publish(&ch, q.as_str(), "m4", BasicProperties::default()).await;
+    ch.basic_nack(
+        tags[1],
+        BasicNackOptions {
+            multiple: true,
+            requeue: true,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(wait_count(&ch, q.as_str(), 2).await, 2);
+    assert_eq!(get_body(&ch, q.as_str()).await.as_deref(), Some("m3"));
+    assert_eq!(get_body(&ch, q.as_str()).await.as_deref(), Some("m4"));
+    assert_eq!(wait_count(&ch, dlq.as_str(), 2).await, 2);
+    assert_eq!(get_body(&ch, dlq.as_str()).await.as_deref(), Some("m1"));
+    assert_eq!(get_body(&ch, dlq.as_str()).await.as_deref(), Some("m2"));
+}
+
+/// A message with TTL 0 reaches a consumer that is ready when it arrives; requeued, it has
+/// expired and does not come back (TTLHandling.zeroTTLDelivery in the Java client's suite).
+#[tokio::test]
+async fn a_requeued_zero_ttl_message_expires() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = declare(&ch, "", args(&[("x-message-ttl", AMQPValue::LongInt(0))])).await;
+    let mut consumer = ch
+        .basic_consume(
+            q.as_str().into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    publish(&ch, q.as_str(), "now", BasicProperties::default()).await;
+    let d = next_delivery(&mut consumer).await;
+    assert_eq!(&d.data[..], b"now");
+    // Straight back (most often within the same millisecond as the publish).
+    d.reject(BasicRejectOptions { requeue: true })
+        .await
+        .unwrap();
+    no_delivery(&mut consumer).await;
+    assert_eq!(wait_count(&ch, q.as_str(), 0).await, 0);
+}
