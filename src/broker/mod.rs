@@ -120,6 +120,11 @@ struct ChannelState {
     /// Direct reply-to: the no-ack consumer of `amq.rabbitmq.reply-to` on this channel (its tag)
     /// and the address replies to it use.
     reply_consumer: Option<(Arc<str>, String)>,
+    /// Transactions: deliveries acked, nacked or rejected since the last commit or rollback,
+    /// with what to do at commit (None: ack; Some(requeue): reject). Out of `unacked`, so
+    /// basic.recover leaves them alone, as in RabbitMQ; they still count against prefetch
+    /// until the commit settles them.
+    tx_settled: Vec<(u64, Unacked, Option<bool>)>,
 }
 
 impl ChannelState {
@@ -133,6 +138,7 @@ impl ChannelState {
             consumer_unacked: 0,
             flow: true,
             reply_consumer: None,
+            tx_settled: Vec::new(),
         }
     }
 }
@@ -897,13 +903,17 @@ impl Broker {
     /// Close a channel: its consumers go, its unacked messages return to their queues in their
     /// original places, marked redelivered.
     pub fn channel_close(&mut self, conn: ConnId, ch: u16, fx: &mut Vec<Effect>) {
-        let Some(state) = self
+        let Some(mut state) = self
             .conns
             .get_mut(&conn)
             .and_then(|c| c.channels.remove(&ch))
         else {
             return;
         };
+        // Settled in a transaction never committed: back to their queues like the rest.
+        for (tag, u, _) in std::mem::take(&mut state.tx_settled) {
+            state.unacked.insert(tag, u);
+        }
         if let Some((_, suffix)) = &state.reply_consumer {
             self.reply_to.remove(suffix);
         }
@@ -2462,6 +2472,69 @@ impl Broker {
             }
         }
         Ok(taken)
+    }
+
+    /// basic.ack / nack / reject on a transactional channel: the tags are checked now (406 for
+    /// an unknown one, as RabbitMQ) and taken out of the unacked set; `tx_commit` settles them,
+    /// `tx_rollback` puts them back. `reject`: None for an ack, Some(requeue) otherwise.
+    pub fn tx_settle(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        tag: u64,
+        multiple: bool,
+        reject: Option<bool>,
+    ) -> Result<(), AmqpError> {
+        let state = self.channel(conn, ch)?;
+        let tags: Vec<u64> = if multiple {
+            if tag != 0 && !state.unacked.contains_key(&tag) {
+                return Err(AmqpError::precondition_failed(format!(
+                    "unknown delivery tag {tag}"
+                )));
+            }
+            let upto = if tag == 0 { u64::MAX } else { tag };
+            state.unacked.range(..=upto).map(|(k, _)| *k).collect()
+        } else {
+            if !state.unacked.contains_key(&tag) {
+                return Err(AmqpError::precondition_failed(format!(
+                    "unknown delivery tag {tag}"
+                )));
+            }
+            vec![tag]
+        };
+        for t in tags {
+            if let Some(u) = state.unacked.remove(&t) {
+                state.tx_settled.push((t, u, reject));
+            }
+        }
+        Ok(())
+    }
+
+    /// tx.commit: settle what the transaction acked, nacked or rejected, in order.
+    pub fn tx_commit(
+        &mut self,
+        conn: ConnId,
+        ch: u16,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        let settled = std::mem::take(&mut self.channel(conn, ch)?.tx_settled);
+        for (tag, u, reject) in settled {
+            self.channel(conn, ch)?.unacked.insert(tag, u);
+            match reject {
+                None => self.ack(conn, ch, tag, false, fx)?,
+                Some(requeue) => self.reject(conn, ch, tag, false, requeue, fx)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// tx.rollback: what the transaction settled is unacked again (not redelivered).
+    pub fn tx_rollback(&mut self, conn: ConnId, ch: u16) -> Result<(), AmqpError> {
+        let state = self.channel(conn, ch)?;
+        for (tag, u, _) in std::mem::take(&mut state.tx_settled) {
+            state.unacked.insert(tag, u);
+        }
+        Ok(())
     }
 
     /// basic.ack.

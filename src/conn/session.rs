@@ -63,7 +63,6 @@ pub(crate) enum TxAck {
 pub(crate) struct Tx {
     /// Messages and their mandatory flag, routed at commit.
     pub publishes: Vec<(Arc<crate::broker::Message>, bool)>,
-    pub acks: Vec<TxAck>,
 }
 
 /// Protocol-side state of one open channel (the broker core holds the delivery side).

@@ -134,9 +134,20 @@ impl Session {
     }
 
     fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
-        if let Some(tx) = self.chan(ch)?.tx.as_mut() {
-            tx.acks.push(ack);
-            return Ok(());
+        if self.chan(ch)?.tx.is_some() {
+            // Checked now, settled at commit (see `Broker::tx_settle`).
+            let conn = self.conn;
+            let (tag, multiple, reject) = match ack {
+                TxAck::Ack { tag, multiple } => (tag, multiple, None),
+                TxAck::Reject {
+                    tag,
+                    multiple,
+                    requeue,
+                } => (tag, multiple, Some(requeue)),
+            };
+            return core(&self.shared, &mut self.ctx, |b, _| {
+                b.tx_settle(conn, ch, tag, multiple, reject)
+            });
         }
         self.apply_ack(ch, ack)
     }

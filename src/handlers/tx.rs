@@ -1,6 +1,6 @@
 //! tx class: select, commit, rollback. Publishes and acks wait in the channel until commit.
 
-use crate::conn::session::{Session, Tx};
+use crate::conn::session::{core, Session, Tx};
 use amq_protocol::protocol::tx::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -27,15 +27,18 @@ impl Session {
                 for (msg, mandatory) in work.publishes {
                     let _ = self.route_message(ch, msg, mandatory)?;
                 }
-                for ack in work.acks {
-                    self.apply_ack(ch, ack)?;
-                }
+                let conn = self.conn;
+                core(&self.shared, &mut self.ctx, |b, fx| {
+                    b.tx_commit(conn, ch, fx)
+                })?;
                 self.outbox
                     .method(ch, &AMQPClass::Tx(M::CommitOk(tx::CommitOk {})));
                 Ok(())
             }
             M::Rollback(_) => {
                 self.take_tx(ch)?;
+                let conn = self.conn;
+                core(&self.shared, &mut self.ctx, |b, _| b.tx_rollback(conn, ch))?;
                 self.outbox
                     .method(ch, &AMQPClass::Tx(M::RollbackOk(tx::RollbackOk {})));
                 Ok(())

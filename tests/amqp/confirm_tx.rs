@@ -247,3 +247,96 @@ async fn commit_without_select_is_406() {
         Some((2, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))))
     ));
 }
+
+/// Acks in a transaction, as RabbitMQ: the tag is checked at once (406 unknown delivery tag
+/// on the ack, not at commit), and an acked-but-uncommitted delivery is not redelivered by
+/// basic.recover (the RabbitMQ Java client's InvalidAcksTx and
+/// Transactions.redeliverAckedUncommitted).
+#[tokio::test]
+async fn tx_acks_are_checked_at_once_and_recover_skips_acked_uncommitted() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare("".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap()
+        .name()
+        .clone();
+    for body in [b"a", b"b"] {
+        ch.basic_publish(
+            "".into(),
+            q.clone(),
+            Default::default(),
+            body,
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    ch.tx_select().await.unwrap();
+    let a = ch
+        .basic_get(q.clone(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    let b = ch
+        .basic_get(q.clone(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    ch.basic_ack(a.delivery.delivery_tag, Default::default())
+        .await
+        .unwrap();
+    ch.basic_recover(BasicRecoverOptions { requeue: true })
+        .await
+        .unwrap();
+    // Only "b" came back; "a" is acked (not yet committed).
+    let again = ch
+        .basic_get(q.clone(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&again.delivery.data[..], b"b");
+    assert!(again.delivery.redelivered);
+    assert!(ch
+        .basic_get(q.clone(), Default::default())
+        .await
+        .unwrap()
+        .is_none());
+    ch.tx_commit().await.unwrap();
+    let _ = b;
+    // A tag acked twice in one transaction: 406 at the second ack.
+    ch.basic_ack(again.delivery.delivery_tag, Default::default())
+        .await
+        .unwrap();
+    ch.basic_ack(again.delivery.delivery_tag, Default::default())
+        .await
+        .unwrap();
+    let err = ch.tx_commit().await.unwrap_err();
+    assert_eq!(
+        amqp_error(&err),
+        (
+            406,
+            format!(
+                "PRECONDITION_FAILED - unknown delivery tag {}",
+                again.delivery.delivery_tag
+            )
+        )
+    );
+    // An unknown tag: 406 too, on a fresh channel.
+    let ch = conn.create_channel().await.unwrap();
+    ch.tx_select().await.unwrap();
+    ch.basic_ack(123456, Default::default()).await.unwrap();
+    let err = ch
+        .queue_declare("".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        amqp_error(&err),
+        (
+            406,
+            "PRECONDITION_FAILED - unknown delivery tag 123456".to_string()
+        )
+    );
+}
