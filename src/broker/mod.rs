@@ -1026,10 +1026,23 @@ impl Broker {
             Op::DeleteExchange { vhost, name } => {
                 let v = self.vhost_mut(vhost)?;
                 v.exchanges.remove(name);
-                // Bindings that pointed at it go too.
+                // Bindings that pointed at it go too; an auto-delete exchange left without
+                // bindings goes with them, and so on up the chain (as RabbitMQ).
                 let dest = Dest::Exchange(name.clone());
+                let mut emptied: Vec<String> = Vec::new();
                 for x in v.exchanges.values_mut() {
-                    x.unbind_dest(&dest);
+                    if x.unbind_dest(&dest) > 0 && x.auto_delete && x.bindings.is_empty() {
+                        emptied.push(x.name.clone());
+                    }
+                }
+                for name in emptied {
+                    self.apply(
+                        &Op::DeleteExchange {
+                            vhost: vhost.clone(),
+                            name,
+                        },
+                        fx,
+                    )?;
                 }
             }
             Op::DeclareQueue {

@@ -390,3 +390,79 @@ async fn auto_delete_exchange_goes_with_its_last_binding() {
         .unwrap_err();
     assert_eq!(reply_code(&err), Some(404));
 }
+
+/// Auto-delete exchanges go when their last binding goes, also when that binding went because
+/// its destination (a queue or an exchange) was deleted, and so on up a chain of
+/// exchange-to-exchange bindings (the RabbitMQ Java client's ExchangeExchangeBindingsAutoDelete).
+#[tokio::test]
+async fn auto_delete_exchanges_go_up_a_chain_when_the_end_goes() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let auto = ExchangeDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    for x in ["ad-a", "ad-b", "ad-c"] {
+        ch.exchange_declare(x.into(), ExchangeKind::Fanout, auto, FieldTable::default())
+            .await
+            .unwrap();
+    }
+    // a -> b -> c -> queue
+    ch.exchange_bind(
+        "ad-b".into(),
+        "ad-a".into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_bind(
+        "ad-c".into(),
+        "ad-b".into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_declare("ad-q".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    ch.queue_bind(
+        "ad-q".into(),
+        "ad-c".into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_delete("ad-q".into(), Default::default())
+        .await
+        .unwrap();
+    let broker = || server.shared.broker.lock();
+    for x in ["ad-a", "ad-b", "ad-c"] {
+        assert!(!broker().exchange_exists("/", x), "{x} still exists");
+    }
+    // Deleting the destination exchange directly: its auto-delete source goes too.
+    for x in ["ad-s", "ad-d"] {
+        ch.exchange_declare(x.into(), ExchangeKind::Fanout, auto, FieldTable::default())
+            .await
+            .unwrap();
+    }
+    ch.exchange_bind(
+        "ad-d".into(),
+        "ad-s".into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.exchange_delete("ad-d".into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    assert!(!broker().exchange_exists("/", "ad-s"));
+}
