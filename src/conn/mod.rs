@@ -66,9 +66,9 @@ pub async fn serve(
     let (commit_tx, mut commit_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
     session.start();
-    let mut frames = FramedRead::new(rd, FrameCodec::new(shared.config.frame_max));
+    let mut frames = FramedRead::new(rd, FrameCodec::new(session.frame_max()));
     // Decodes the frames already buffered (below), keeping its own memo of the last publish.
-    let mut inline = FrameCodec::new(shared.config.frame_max);
+    let mut inline = FrameCodec::new(session.frame_max());
     let mut disk_alarm = shared.disk_alarm.subscribe();
     let mut last_recv = Instant::now();
     // Set when we sent connection.close and wait for close-ok.

@@ -192,7 +192,9 @@ impl Session {
         peer: SocketAddr,
         notify: UnboundedSender<Done>,
     ) -> Self {
-        let frame_max = shared.config.frame_max;
+        // Until tune-ok settles it, frames are limited to the protocol's minimum frame size,
+        // as in RabbitMQ (a larger connection.start-ok is refused).
+        let frame_max = FRAME_MIN_SIZE;
         let channel_max = shared.config.channel_max;
         Session {
             shared,
@@ -606,6 +608,10 @@ impl Session {
         }
     }
 }
+
+/// The smallest frame_max a peer may negotiate, and the limit before it has (AMQP 0-9-1's
+/// frame-min-size).
+pub(crate) const FRAME_MIN_SIZE: u32 = 4096;
 
 /// RabbitMQ removes CR and LF from the queue and exchange names of declare, delete and the
 /// bindings (not of purge or consume); the declare-ok carries the stripped name.

@@ -206,7 +206,7 @@ impl Session {
         if frame_max > config.frame_max {
             return not_allowed(format!("frame_max={frame_max} > {} max", config.frame_max));
         }
-        if frame_max < 4096 {
+        if frame_max < crate::conn::session::FRAME_MIN_SIZE {
             return not_allowed(format!("frame_max={frame_max} < 4096 min"));
         }
         let channel_max = if m.channel_max == 0 {

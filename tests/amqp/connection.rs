@@ -504,3 +504,43 @@ async fn large_bodies_arrive_intact_on_every_path() {
         got.delivery.ack(Default::default()).await.unwrap();
     }
 }
+
+/// Before tune-ok, frames are limited to 4096 bytes (the protocol's minimum frame size), as
+/// in RabbitMQ: a larger connection.start-ok gets no connection.tune (the RabbitMQ Java
+/// client's FrameMax.rejectLargeFramesDuringConnectionNegotiation).
+#[tokio::test]
+async fn a_start_ok_larger_than_4096_bytes_is_refused() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::tcp(server.addr).await;
+    raw.send_bytes(&PROTOCOL_HEADER).await;
+    assert!(matches!(
+        raw.recv_method().await,
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Start(_))))
+    ));
+    let mut props = amq_protocol::types::FieldTable::default();
+    props.insert(
+        "padding".into(),
+        AMQPValue::LongString("x".repeat(4200).into()),
+    );
+    raw.send(
+        0,
+        AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+            client_properties: props,
+            mechanism: "PLAIN".into(),
+            response: "\0guest\0guest".into(),
+            locale: "en_US".into(),
+        })),
+    )
+    .await;
+    loop {
+        match raw.recv().await {
+            None => break,
+            Some(Frame::Method(0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))) => {
+                assert_eq!(c.reply_code, 501);
+                break;
+            }
+            Some(Frame::Heartbeat(_)) => continue,
+            other => panic!("expected the connection refused, got {other:?}"),
+        }
+    }
+}
