@@ -1852,9 +1852,7 @@ impl Broker {
         check_internal: bool,
     ) -> Result<Targets, AmqpError> {
         let mut all = Targets::new();
-        for key in keys {
-            self.route_one(vhost, exchange, key, msg, check_internal, &mut all)?;
-        }
+        self.route_all(vhost, exchange, keys, msg, check_internal, &mut all)?;
         if all.len() > 1 {
             all.sort_unstable();
             all.dedup();
@@ -1862,11 +1860,14 @@ impl Broker {
         Ok(all)
     }
 
-    fn route_one(
+    /// Every exchange the message reaches (through exchange-to-exchange bindings and alternate
+    /// exchanges) is matched against all the keys at once (routing key, CC, BCC), as in
+    /// RabbitMQ: a CC key can take it through one binding and the routing key through the next.
+    fn route_all(
         &self,
         vhost: &str,
         exchange: &str,
-        key: &str,
+        keys: &[&str],
         msg: &Message,
         check_internal: bool,
         queues: &mut Targets,
@@ -1885,8 +1886,10 @@ impl Broker {
             )));
         }
         if exchange.is_empty() {
-            if let Some(&id) = v.queues.get(key) {
-                queues.push(id);
+            for key in keys {
+                if let Some(&id) = v.queues.get(*key) {
+                    queues.push(id);
+                }
             }
             return Ok(());
         }
@@ -1898,7 +1901,9 @@ impl Broker {
         let mut dests: SmallVec<[&Dest; 16]> = SmallVec::new();
         while let Some(x) = pending.pop() {
             dests.clear();
-            x.route(key, headers, &mut dests);
+            for key in keys {
+                x.route(key, headers, &mut dests);
+            }
             if dests.is_empty() {
                 // RabbitMQ's rule: an exchange whose own bindings match nothing hands the message
                 // to its alternate exchange (chains followed, cycles cut by `visited`).

@@ -796,3 +796,63 @@ async fn a_requeued_zero_ttl_message_expires() {
     no_delivery(&mut consumer).await;
     assert_eq!(wait_count(&ch, q.as_str(), 0).await, 0);
 }
+
+/// Every exchange a message reaches matches all its keys (routing key, CC, BCC), as in
+/// RabbitMQ: a CC key takes it through an exchange-to-exchange binding and the routing key
+/// (or a BCC key) through the next (the Java client's CcRoutes.boundExchanges).
+#[tokio::test]
+async fn cc_and_bcc_keys_apply_at_every_exchange_of_a_chain() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (x, y) = (unique("cc-x"), unique("cc-y"));
+    for e in [&x, &y] {
+        ch.exchange_declare(
+            e.as_str().into(),
+            ExchangeKind::Direct,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    ch.exchange_bind(
+        y.as_str().into(),
+        x.as_str().into(),
+        "k1".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let q = declare(&ch, "", FieldTable::default()).await;
+    ch.queue_bind(
+        q.clone(),
+        y.as_str().into(),
+        "k2".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    for (key, header, list) in [("k2", "CC", "k1"), ("k1", "BCC", "k2")] {
+        let headers = args(&[(
+            header,
+            AMQPValue::FieldArray(FieldArray::from(vec![s(list)])),
+        )]);
+        ch.basic_publish(
+            x.as_str().into(),
+            key.into(),
+            Default::default(),
+            b"m",
+            BasicProperties::default().with_headers(headers),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            get_body(&ch, q.as_str()).await.as_deref(),
+            Some("m"),
+            "routing key {key} with {header} {list}"
+        );
+    }
+}
