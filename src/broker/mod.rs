@@ -125,6 +125,8 @@ struct ChannelState {
     /// basic.recover leaves them alone, as in RabbitMQ; they still count against prefetch
     /// until the commit settles them.
     tx_settled: Vec<(u64, Unacked, Option<bool>)>,
+    /// Which of the channel's queues gets freed channel-wide credit first (rotates).
+    credit_turn: usize,
 }
 
 impl ChannelState {
@@ -139,6 +141,7 @@ impl ChannelState {
             flow: true,
             reply_consumer: None,
             tx_settled: Vec::new(),
+            credit_turn: 0,
         }
     }
 }
@@ -2317,14 +2320,14 @@ impl Broker {
                 let Some(c) = ch.consumers.iter().find(|c| *c.tag == *key.tag) else {
                     continue;
                 };
-                if !c.no_ack {
-                    if c.prefetch > 0 && c.unacked >= c.prefetch as u32 {
-                        continue;
-                    }
-                    if ch.prefetch_channel > 0 && ch.consumer_unacked >= ch.prefetch_channel as u32
-                    {
-                        continue;
-                    }
+                if !c.no_ack && c.prefetch > 0 && c.unacked >= c.prefetch as u32 {
+                    continue;
+                }
+                // The channel-wide limit (basic.qos global) holds back every consumer of the
+                // channel while it is reached, no-ack ones included (they do not count against
+                // it), as RabbitMQ's limiter does.
+                if ch.prefetch_channel > 0 && ch.consumer_unacked >= ch.prefetch_channel as u32 {
+                    continue;
                 }
                 chosen = Some(idx);
                 break;
@@ -2608,6 +2611,13 @@ impl Broker {
                 queues.extend(state.consumers.iter().map(|c| c.queue));
                 queues.sort_unstable();
                 queues.dedup();
+                // The freed channel credit goes to the channel's queues in turn, not always to
+                // the first (RabbitMQ wakes the blocked queues in random order: fair over time).
+                if queues.len() > 1 {
+                    let start = state.credit_turn % queues.len();
+                    queues.rotate_left(start);
+                    state.credit_turn = state.credit_turn.wrapping_add(1);
+                }
             }
         }
         for id in queues {

@@ -662,3 +662,90 @@ async fn user_id_must_match_the_login() {
         (406, "PRECONDITION_FAILED - user_id property set to 'mallory' but authenticated user was 'guest'".into())
     );
 }
+
+async fn consume_on(ch: &lapin::Channel, q: &str, tag: &str, no_ack: bool) -> lapin::Consumer {
+    ch.basic_consume(
+        q.into(),
+        tag.into(),
+        BasicConsumeOptions {
+            no_ack,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+}
+
+async fn publish_to(ch: &lapin::Channel, q: &str, body: &str) {
+    ch.basic_publish(
+        "".into(),
+        q.into(),
+        Default::default(),
+        body.as_bytes(),
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
+}
+
+/// basic.qos(global): while the channel's limit is reached, its no-ack consumers wait too
+/// (they do not count against it), as RabbitMQ's limiter (the Java client's
+/// QosTests.noAckObeysLimit); freed credit goes to the channel's queues in turn
+/// (QosTests.fairness).
+#[tokio::test]
+async fn the_channel_limit_holds_no_ack_consumers_and_is_shared_fairly() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let setup = conn.create_channel().await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(1, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let qs: Vec<String> = (0..3).map(|i| unique(&format!("glob{i}"))).collect();
+    for q in &qs {
+        setup
+            .queue_declare(q.as_str().into(), Default::default(), FieldTable::default())
+            .await
+            .unwrap();
+    }
+    // One delivery unacked: the limit is reached; a no-ack consumer of the channel waits.
+    publish_to(&setup, &qs[0], "held").await;
+    let mut acking = consume_on(&ch, &qs[0], "acking", false).await;
+    let held = next_delivery(&mut acking).await;
+    let mut free = consume_on(&ch, &qs[1], "free", true).await;
+    publish_to(&setup, &qs[1], "waits").await;
+    no_delivery(&mut free).await;
+    held.ack(BasicAckOptions::default()).await.unwrap();
+    assert_eq!(body(&next_delivery(&mut free).await), "waits");
+    ch.basic_cancel("free".into(), Default::default())
+        .await
+        .unwrap();
+    // Three queues of six, one limit of one: each ack hands the credit to the next queue.
+    for q in &qs {
+        for i in 0..6 {
+            publish_to(&setup, q, &format!("{q}-{i}")).await;
+        }
+    }
+    let mut others = vec![
+        consume_on(&ch, &qs[1], "c1", false).await,
+        consume_on(&ch, &qs[2], "c2", false).await,
+    ];
+    let mut consumers = vec![acking];
+    consumers.append(&mut others);
+    let mut merged = futures::stream::select_all(consumers);
+    let mut per_queue = std::collections::HashMap::<String, usize>::new();
+    for _ in 0..9 {
+        let d = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut merged))
+            .await
+            .expect("a delivery")
+            .unwrap()
+            .unwrap();
+        *per_queue.entry(d.routing_key.to_string()).or_default() += 1;
+        d.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    for q in &qs {
+        let n = per_queue.get(q).copied().unwrap_or(0);
+        assert!(n >= 2, "{q} got {n} of 9: {per_queue:?}");
+    }
+}
