@@ -22,16 +22,8 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "installing: ${need[*]}"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-work=$(mktemp -d)
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-WARREN_LOG=warn "$bin" server --amqp-listen "127.0.0.1:$port" --data-dir "$work/data" >"$work/warren.log" 2>&1 &
-pid=$!
-cleanup() {
-    kill -TERM "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+source "$(dirname "$0")/warren.sh"
+WARREN_LOG=warn start_warren "$bin"
 export GO111MODULE=off GOFLAGS= GOPROXY=off GOPATH="$work/gopath:/usr/share/gocode"
 # The build cache is kept between runs (beside cargo's target folder).
 export GOCACHE="${CARGO_TARGET_DIR:-$HOME/.cache/warren/target}-gocache"
@@ -39,10 +31,6 @@ src="$work/gopath/src/$pkg"
 mkdir -p "$(dirname "$src")"
 cp -r "$deb_src" "$src"
 (cd "$src" && timeout 600 go test -c -tags integration -o "$work/amqp091.test" .)
-for _ in $(seq 1 100); do
-    python3 -c "import socket; socket.create_connection(('127.0.0.1',$port),0.2)" 2>/dev/null && break
-    sleep 0.1
-done
 echo "amqp091-go $(dpkg-query -W -f='${Version}' golang-github-rabbitmq-amqp091-go-dev) integration tests against warren on port $port"
 status=0
 (cd "$src" && AMQP_URL="amqp://guest:guest@127.0.0.1:$port/" \
@@ -54,6 +42,6 @@ if [ $status -ne 0 ]; then
     echo "--- last 60 lines of the suite's output"
     tail -n 60 "$work/go-suite.log"
     echo "--- warren log (last 30 lines)"
-    tail -n 30 "$work/warren.log"
+    tail -n 30 "$warren_log"
 fi
 exit $status

@@ -70,6 +70,8 @@ pub async fn serve(
     // Decodes the frames already buffered (below), keeping its own memo of the last publish.
     let mut inline = FrameCodec::new(session.frame_max());
     let mut disk_alarm = shared.disk_alarm.subscribe();
+    // Woken when a queue that held a publisher drains (flow control, below).
+    let drained = shared.broker.lock().drained.clone();
     let mut last_recv = Instant::now();
     // Set when we sent connection.close and wait for close-ok.
     let mut closing_deadline: Option<Instant> = None;
@@ -116,7 +118,6 @@ pub async fn serve(
         if !session.hold.is_empty() {
             let hold = std::mem::take(&mut session.hold);
             let deadline = Instant::now() + shared.config.flow_hold;
-            let drained = shared.broker.lock().drained.clone();
             loop {
                 let notified = drained.notified();
                 tokio::pin!(notified);
