@@ -139,7 +139,7 @@ pub fn dead_letter_properties(
     let ordered_entry = !matches!(headers.get("x-death"), Some(AMQPValue::FieldArray(_)));
     let deaths = match headers.get("x-death") {
         Some(AMQPValue::FieldArray(arr)) => {
-            let mut deaths: Vec<AMQPValue> = arr.as_slice().to_vec();
+            let mut deaths = group_old_deaths(arr.as_slice());
             let same = deaths.iter().position(|d| match d {
                 AMQPValue::FieldTable(t) => {
                     t.inner().get("queue").and_then(text).as_deref() == Some(queue)
@@ -200,6 +200,44 @@ pub fn dead_letter_properties(
     let props = rebuild(p, Some(FieldTable::from(headers)), false);
     let raw = raw.unwrap_or_else(|| warren_protocol::codec::encode_properties(&props));
     (props, raw)
+}
+
+/// The entries of an `x-death` array with entries for the same queue and reason merged, as
+/// RabbitMQ does for headers written before 3.8 (one entry per death, without `count`): the
+/// first entry of each (queue, reason) stands for the group, in the order the groups first
+/// appear, and gets as `count` the size of its group when it has none. A single entry is kept
+/// as it is.
+fn group_old_deaths(arr: &[AMQPValue]) -> Vec<AMQPValue> {
+    if arr.len() < 2 {
+        return arr.to_vec();
+    }
+    let key = |v: &AMQPValue| match v {
+        AMQPValue::FieldTable(t) => Some((
+            t.inner().get("queue").and_then(text),
+            t.inner().get("reason").and_then(text),
+        )),
+        _ => None,
+    };
+    let keys: Vec<_> = arr.iter().map(key).collect();
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, v) in arr.iter().enumerate() {
+        let (AMQPValue::FieldTable(t), Some(k)) = (v, &keys[i]) else {
+            out.push(v.clone());
+            continue;
+        };
+        if keys[..i].iter().any(|seen| seen.as_ref() == Some(k)) {
+            continue;
+        }
+        if t.inner().contains_key("count") {
+            out.push(v.clone());
+        } else {
+            let n = keys[i..].iter().filter(|o| o.as_ref() == Some(k)).count();
+            let mut t = t.inner().clone();
+            t.insert("count".into(), AMQPValue::LongLongInt(n as i64));
+            out.push(AMQPValue::FieldTable(FieldTable::from(t)));
+        }
+    }
+    out
 }
 
 fn value_bytes(v: &AMQPValue) -> Option<Vec<u8>> {

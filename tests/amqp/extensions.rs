@@ -207,6 +207,96 @@ async fn rejected_messages_are_dead_lettered_with_x_death() {
     assert_eq!(d.delivery.routing_key, dlq);
 }
 
+/// Entries written by brokers before 3.8 (one per death, no `count`) are merged by queue and
+/// reason with their number as the count, as RabbitMQ 3.10 does (the Java client's
+/// `handlingOfXDeathHeadersFromEarlierVersions`).
+#[tokio::test]
+async fn old_style_x_death_entries_are_merged_by_queue_and_reason() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let dlq = declare(&ch, &unique("dlq"), FieldTable::default()).await;
+    let src = unique("src");
+    declare(
+        &ch,
+        &src,
+        args(&[
+            ("x-dead-letter-exchange", s("")),
+            ("x-dead-letter-routing-key", s(dlq.as_str())),
+        ]),
+    )
+    .await;
+    let old = |q: &str, reason: &str| {
+        AMQPValue::FieldTable(args(&[
+            ("queue", s(q)),
+            ("reason", s(reason)),
+            ("exchange", s("")),
+        ]))
+    };
+    let deaths = vec![
+        old("a", "expired"),
+        old("b", "rejected"),
+        old("a", "expired"),
+        old("a", "expired"),
+    ];
+    let headers = args(&[("x-death", AMQPValue::FieldArray(deaths.into()))]);
+    publish(
+        &ch,
+        &src,
+        "old",
+        BasicProperties::default().with_headers(headers),
+    )
+    .await;
+    let m = ch
+        .basic_get(src.as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    ch.basic_reject(
+        m.delivery.delivery_tag,
+        BasicRejectOptions { requeue: false },
+    )
+    .await
+    .unwrap();
+    assert_eq!(wait_count(&ch, dlq.as_str(), 1).await, 1);
+    let d = ch
+        .basic_get(dlq.clone(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
+    let h = d.delivery.properties.headers().clone().unwrap();
+    let Some(AMQPValue::FieldArray(deaths)) = h.inner().get("x-death") else {
+        panic!("no x-death: {h:?}");
+    };
+    let summary: Vec<(String, String, i64)> = deaths
+        .as_slice()
+        .iter()
+        .map(|d| {
+            let AMQPValue::FieldTable(t) = d else {
+                panic!("entry {d:?}")
+            };
+            let text = |k: &str| match t.inner().get(k) {
+                Some(AMQPValue::LongString(v)) => v.to_string(),
+                v => panic!("{k}: {v:?}"),
+            };
+            let count = match t.inner().get("count") {
+                Some(AMQPValue::LongLongInt(n)) => *n,
+                v => panic!("count: {v:?}"),
+            };
+            (text("queue"), text("reason"), count)
+        })
+        .collect();
+    let entry = |q: &str, r: &str, n| (q.to_string(), r.to_string(), n);
+    assert_eq!(
+        summary,
+        vec![
+            entry(&src, "rejected", 1),
+            entry("a", "expired", 3),
+            entry("b", "rejected", 1),
+        ]
+    );
+}
+
 #[tokio::test]
 async fn expired_and_overflowing_messages_are_dead_lettered() {
     let server = TestServer::start().await;
