@@ -91,7 +91,7 @@ trap 'exit 130' INT TERM
 # A copy, so that a rebuild of the original during the run changes nothing.
 cp "$WARREN_SRC" "$RUNDIR/warren"
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$RUNDIR/warren" server --amqp-listen "127.0.0.1:$PORT" --data-dir "$RUNDIR/data" \
+"$RUNDIR/warren" server --management-listen none --amqp-listen "127.0.0.1:$PORT" --data-dir "$RUNDIR/data" \
     >"$LOGDIR/warren.log" 2>&1 &
 WARREN_PID=$!
 for _ in $(seq 100); do

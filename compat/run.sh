@@ -8,7 +8,7 @@ python="${2:-python3}"
 source ./warren.sh
 start_warren "$bin"
 status=0
-AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2F" "$python" -m pytest -q -p no:cacheprovider . || status=$?
+AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2F" MANAGEMENT_URL="http://127.0.0.1:$mport" "$python" -m pytest -q -p no:cacheprovider . || status=$?
 if [ $status -ne 0 ]; then
     echo "--- warren log (last 50 lines)"
     tail -n 50 "$warren_log"

@@ -1,13 +1,18 @@
 # Sourced by the compat runners: start a warren binary on a free loopback port with a data
 # folder under $work (made here), wait until it accepts connections, and stop it (SIGTERM) and
 # remove $work on exit.
-#   start_warren BINARY   sets $work, $port, $pid, $warren_log
+#   start_warren BINARY   sets $work, $port, $mport (management API), $pid, $warren_log
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
 start_warren() {
     work=$(mktemp -d)
-    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    port=$(free_port)
+    mport=$(free_port)
     warren_log="$work/warren.log"
     WARREN_LOG="${WARREN_LOG:-info}" "$1" server --amqp-listen "127.0.0.1:$port" \
-        --data-dir "$work/data" >"$warren_log" 2>&1 &
+        --management-listen "127.0.0.1:$mport" --data-dir "$work/data" >"$warren_log" 2>&1 &
     pid=$!
     trap stop_warren EXIT
     for _ in $(seq 1 100); do

@@ -25,7 +25,7 @@ run() {
   local data port server
   data=$(mktemp -d /tmp/warren-allocs-data-XXXXXX)
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-  "$COPY" server --amqp-listen "127.0.0.1:$port" --data-dir "$data" >/dev/null 2>&1 &
+  "$COPY" server --management-listen none --amqp-listen "127.0.0.1:$port" --data-dir "$data" >/dev/null 2>&1 &
   server=$!
   for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
   perf stat -x, -e "$EVENT" -p "$server" -o /tmp/warren-allocs.stat &

@@ -125,7 +125,7 @@ class Warren:
         self.dir = tempfile.mkdtemp(prefix="warren-bench-")
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [self.binary, "server", "--amqp-listen", "127.0.0.1:%d" % self.port,
+            [self.binary, "server", "--management-listen", "none", "--amqp-listen", "127.0.0.1:%d" % self.port,
              "--data-dir", self.dir],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env=dict(os.environ, WARREN_LOG="warn"))

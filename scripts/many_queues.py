@@ -79,7 +79,7 @@ def main():
     w.proc.wait(timeout=60)
     t = time.time()
     w.proc = subprocess.Popen(
-        [o.binary, "server", "--amqp-listen", "127.0.0.1:%d" % w.port, "--data-dir", w.dir],
+        [o.binary, "server", "--management-listen", "none", "--amqp-listen", "127.0.0.1:%d" % w.port, "--data-dir", w.dir],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     bench.wait_port(w.port, timeout=300)
     restart = time.time() - t

@@ -19,7 +19,7 @@ while [ $# -gt 0 ]; do
 done
 DATA=$(mktemp -d /tmp/warren-profile-XXXXXX)
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"$BIN" server --amqp-listen "127.0.0.1:$PORT" --data-dir "$DATA" >/dev/null 2>&1 &
+"$BIN" server --management-listen none --amqp-listen "127.0.0.1:$PORT" --data-dir "$DATA" >/dev/null 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$DATA"' EXIT
 for _ in $(seq 100); do (echo >"/dev/tcp/127.0.0.1/$PORT") 2>/dev/null && break; sleep 0.1; done

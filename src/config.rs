@@ -31,6 +31,8 @@ pub struct Config {
     /// Flow control: how long a publisher waits for a queue's consumers to bring the queue
     /// back under its in-memory window before the queue pages to the store instead.
     pub flow_hold: Duration,
+    /// Where to serve the management HTTP API (RabbitMQ's port 15672); None: not served.
+    pub management_listen: Option<SocketAddr>,
 }
 
 impl Default for Config {
@@ -49,6 +51,7 @@ impl Default for Config {
             consumer_timeout: None,
             flow_hold: Duration::from_millis(100),
             disk_free_limit: 50_000_000,
+            management_listen: None,
         }
     }
 }

@@ -48,6 +48,9 @@ struct ServerArgs {
     /// Block publishers while the data folder's disk has less free space than this (bytes).
     #[arg(long, default_value_t = 50_000_000)]
     disk_free_limit: u64,
+    /// Address of the management HTTP API (RabbitMQ's 15672), or "none" not to serve it.
+    #[arg(long, env = "WARREN_MANAGEMENT_LISTEN", default_value = "[::]:15672")]
+    management_listen: String,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -81,20 +84,18 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
             .consumer_timeout_ms
             .map(std::time::Duration::from_millis),
         disk_free_limit: args.disk_free_limit,
+        management_listen: match args.management_listen.as_str() {
+            "none" | "" => None,
+            a => Some(
+                a.parse::<SocketAddr>()
+                    .with_context(|| format!("--management-listen {a}"))?,
+            ),
+        },
         ..Default::default()
     };
-    let listener = match tokio::net::TcpListener::bind(config.amqp_listen).await {
-        Ok(l) => l,
-        // No IPv6 on this host: the unspecified IPv6 address falls back to IPv4's.
-        Err(e) if config.amqp_listen.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
-            let v4 = SocketAddr::from(([0, 0, 0, 0], config.amqp_listen.port()));
-            tracing::warn!(error = %e, "no IPv6, listening on {v4}");
-            tokio::net::TcpListener::bind(v4)
-                .await
-                .with_context(|| format!("binding {v4}"))?
-        }
-        Err(e) => return Err(e).with_context(|| format!("binding {}", config.amqp_listen)),
-    };
+    let listener = warren::server::bind_dual(config.amqp_listen)
+        .await
+        .with_context(|| format!("binding {}", config.amqp_listen))?;
     warren::run(listener, config, shutdown_signal()).await
 }
 

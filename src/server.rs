@@ -30,6 +30,8 @@ pub struct Shared {
     /// The disk alarm: true while free space is below the limit. Publishing connections wait
     /// on it (connection.blocked).
     pub disk_alarm: watch::Sender<bool>,
+    /// Every client connection past its protocol header, by name (the management API).
+    pub connections: RwLock<std::collections::BTreeMap<String, Arc<crate::mgmt::ConnInfo>>>,
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -82,6 +84,7 @@ impl Shared {
             committer: None,
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
+            connections: Default::default(),
         })
     }
 
@@ -123,6 +126,7 @@ impl Shared {
             committer: Some(committer),
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
+            connections: Default::default(),
         }))
     }
 
@@ -200,6 +204,19 @@ impl Shared {
     }
 }
 
+/// Bind `addr`; the unspecified IPv6 address falls back to IPv4's on a host without IPv6.
+pub async fn bind_dual(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    match TcpListener::bind(addr).await {
+        Ok(l) => Ok(l),
+        Err(e) if addr.ip() == std::net::Ipv6Addr::UNSPECIFIED => {
+            let v4 = std::net::SocketAddr::from(([0, 0, 0, 0], addr.port()));
+            warn!(error = %e, "no IPv6, listening on {v4}");
+            TcpListener::bind(v4).await
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Serve AMQP on an already-bound listener until `shutdown` resolves; then close every
 /// connection with 320 CONNECTION_FORCED and wait (bounded) for them to finish.
 pub async fn run(
@@ -269,6 +286,21 @@ pub async fn serve(
             }
         }
     });
+    // The management API: a port that cannot be bound leaves AMQP running (as RabbitMQ's
+    // management plugin failing does not stop the node).
+    let management = match shared.config.management_listen {
+        Some(addr) => match bind_dual(addr).await {
+            Ok(l) => {
+                info!(addr = %l.local_addr()?, "serving the management API");
+                Some(tokio::spawn(crate::mgmt::serve(l, shared.clone())))
+            }
+            Err(e) => {
+                warn!(error = %e, %addr, "management API not served");
+                None
+            }
+        },
+        None => None,
+    };
     info!(addr = %listener.local_addr()?, "listening for AMQP");
     tokio::pin!(shutdown);
     loop {
@@ -296,6 +328,9 @@ pub async fn serve(
     info!("shutting down: closing connections");
     ticker.abort();
     disk_monitor.abort();
+    if let Some(m) = management {
+        m.abort();
+    }
     drop(listener);
     let _ = stop_tx.send(true);
     tracker.close();

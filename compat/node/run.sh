@@ -59,19 +59,19 @@ else
     bin="$1"
     work=$(mktemp -d)
     port=$(free_port)
-    "$bin" server --amqp-listen "127.0.0.1:$port" --data-dir "$work/data" >"$work/warren.log" 2>&1 &
+    "$bin" server --management-listen none --amqp-listen "127.0.0.1:$port" --data-dir "$work/data" >"$work/warren.log" 2>&1 &
     pids+=($!)
     wait_port "$port" || { cat "$work/warren.log"; exit 1; }
     url="amqp://guest:guest@127.0.0.1:$port/%2F"
     # A second Warren, permanently in a disk alarm, for the connection.blocked tests.
     bport=$(free_port)
-    "$bin" server --amqp-listen "127.0.0.1:$bport" --data-dir "$work/data-blocked" \
+    "$bin" server --management-listen none --amqp-listen "127.0.0.1:$bport" --data-dir "$work/data-blocked" \
         --disk-free-limit 1000000000000000000 >"$work/warren-blocked.log" 2>&1 &
     pids+=($!)
     wait_port "$bport" && blocked_url="amqp://guest:guest@127.0.0.1:$bport/%2F"
     # A third on IPv6 loopback, for the IPv6 test (tests listen on loopback only).
     v6port=$(free_port)
-    "$bin" server --amqp-listen "[::1]:$v6port" --data-dir "$work/data-v6" \
+    "$bin" server --management-listen none --amqp-listen "[::1]:$v6port" --data-dir "$work/data-v6" \
         >"$work/warren-v6.log" 2>&1 &
     pids+=($!)
     wait_port "$v6port" ::1 && export AMQP_IPV6_URL="amqp://guest:guest@[::1]:$v6port/%2F"

@@ -2700,6 +2700,98 @@ impl Broker {
     pub fn connection_vhost(&self, conn: ConnId) -> Option<&str> {
         self.conns.get(&conn).map(|c| c.vhost.as_str())
     }
+
+    /// The channels a connection has open (0 for one not open, or gone).
+    pub fn connection_channels(&self, conn: ConnId) -> usize {
+        self.conns.get(&conn).map_or(0, |c| c.channels.len())
+    }
+
+    /// Open connections and their channels, in all vhosts.
+    pub fn connection_totals(&self) -> (usize, usize) {
+        let channels = self.conns.values().map(|c| c.channels.len()).sum();
+        (self.conns.len(), channels)
+    }
+
+    /// The vhosts, sorted by name.
+    pub fn vhost_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.vhosts.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// The queues of `vhost` (all vhosts when None), sorted by vhost and name, as the
+    /// management API shows them.
+    pub fn queue_views(&self, vhost: Option<&str>) -> Vec<QueueView> {
+        let mut out: Vec<QueueView> = self
+            .queues
+            .values()
+            .filter(|q| vhost.is_none_or(|v| *q.vhost == *v))
+            .map(|q| QueueView {
+                name: q.name.to_string(),
+                vhost: q.vhost.to_string(),
+                durable: q.durable,
+                exclusive: q.exclusive,
+                auto_delete: q.auto_delete,
+                arguments: q.arguments.clone(),
+                quorum: q.quorum,
+                messages_ready: q.message_count() as u64,
+                messages_unacknowledged: q.unacked as u64,
+                consumers: q.consumers.len(),
+            })
+            .collect();
+        out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
+        out
+    }
+
+    /// The exchanges of `vhost` (all vhosts when None), sorted by vhost and name.
+    pub fn exchange_views(&self, vhost: Option<&str>) -> Vec<ExchangeView> {
+        let mut out = Vec::new();
+        for (vname, v) in &self.vhosts {
+            if vhost.is_some_and(|want| want != vname) {
+                continue;
+            }
+            for x in v.exchanges.values() {
+                out.push(ExchangeView {
+                    name: x.name.clone(),
+                    vhost: vname.clone(),
+                    kind: x.kind.as_str(),
+                    durable: x.durable,
+                    auto_delete: x.auto_delete,
+                    internal: x.internal,
+                    arguments: x.arguments.clone(),
+                });
+            }
+        }
+        out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
+        out
+    }
+}
+
+/// A queue as the management API lists it.
+#[derive(Debug, Clone)]
+pub struct QueueView {
+    pub name: String,
+    pub vhost: String,
+    pub durable: bool,
+    pub exclusive: bool,
+    pub auto_delete: bool,
+    pub arguments: FieldTable,
+    pub quorum: bool,
+    pub messages_ready: u64,
+    pub messages_unacknowledged: u64,
+    pub consumers: usize,
+}
+
+/// An exchange as the management API lists it.
+#[derive(Debug, Clone)]
+pub struct ExchangeView {
+    pub name: String,
+    pub vhost: String,
+    pub kind: &'static str,
+    pub durable: bool,
+    pub auto_delete: bool,
+    pub internal: bool,
+    pub arguments: FieldTable,
 }
 
 #[cfg(test)]

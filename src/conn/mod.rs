@@ -33,6 +33,7 @@ pub async fn serve(
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let local = socket.local_addr().unwrap_or(peer);
     let (mut rd, wr) = socket.into_split();
     let handshake_deadline = Instant::now() + shared.config.handshake_timeout;
 
@@ -54,6 +55,16 @@ pub async fn serve(
         return;
     }
 
+    // Listed by the management API from here to the end of the connection.
+    let info = Arc::new(crate::mgmt::ConnInfo::new(peer, local));
+    shared
+        .connections
+        .write()
+        .insert(info.name.clone(), info.clone());
+    let _listed = Unlist {
+        shared: &shared,
+        name: &info.name,
+    };
     let outbox = Arc::new(Outbox::new(shared.config.frame_max));
     let writer_done = CancellationToken::new();
     let writer = tokio::spawn(write_loop(
@@ -65,6 +76,7 @@ pub async fn serve(
 
     let (commit_tx, mut commit_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
+    session.info = Some(info.clone());
     session.start();
     let mut frames = FramedRead::new(rd, FrameCodec::new(session.frame_max()));
     // Decodes the frames already buffered (below), keeping its own memo of the last publish.
@@ -159,6 +171,13 @@ pub async fn serve(
             biased;
                         _ = writer_done.cancelled() => break,
             Some(done) = commit_rx.recv() => session.on_commit(done),
+            _ = info.close_requested.notified(), if closing_deadline.is_none() => {
+                // Closed from the management API (RabbitMQ's DELETE /api/connections/{name}).
+                let reason = info.take_close_reason().unwrap_or_default();
+                info!(%reason, "connection closed by an administrator");
+                session.force_close(&reason);
+                closing_deadline = Some(Instant::now() + shared.config.shutdown_grace);
+            }
             changed = stop.changed(), if closing_deadline.is_none() => {
                 if changed.is_err() || *stop.borrow() {
                     session.force_close("broker forced connection closure with reason 'shutdown'");
@@ -244,6 +263,18 @@ pub async fn serve(
     // Give the writer a moment to flush a close frame; then drop everything.
     if timeout(Duration::from_secs(2), writer).await.is_err() {
         debug!("writer did not finish");
+    }
+}
+
+/// Takes a connection off the management API's list when its task ends, however it ends.
+struct Unlist<'a> {
+    shared: &'a Shared,
+    name: &'a str,
+}
+
+impl Drop for Unlist<'_> {
+    fn drop(&mut self) {
+        self.shared.connections.write().remove(self.name);
     }
 }
 

@@ -141,6 +141,8 @@ pub struct Session {
     pub(crate) hold: crate::broker::Targets,
     /// The client understands connection.blocked / unblocked (capability).
     pub(crate) blocked_capability: bool,
+    /// What the management API shows of this connection.
+    pub(crate) info: Option<Arc<crate::mgmt::ConnInfo>>,
 }
 
 /// Run `f` on the broker core with the lock held, then carry out its effects before releasing
@@ -208,6 +210,7 @@ impl Session {
             channel_max,
             heartbeat: 0,
             channels: Default::default(),
+            info: None,
             auth_failure_close: false,
             ctx: CoreCtx {
                 fx: Vec::new(),

@@ -181,6 +181,13 @@ impl Session {
             }
             return Err(refused());
         }
+        if let Some(info) = &self.info {
+            let mut d = info.details.lock();
+            d.state = "tuning";
+            d.user = user.clone();
+            d.auth_mechanism = mechanism.to_string();
+            d.client_properties = m.client_properties.clone();
+        }
         self.user = user;
         self.phase = Phase::AwaitTuneOk;
         self.outbox.method(
@@ -226,6 +233,11 @@ impl Session {
         self.outbox.set_frame_max(frame_max);
         self.outbox.heartbeat.store(m.heartbeat, Ordering::Relaxed);
         self.phase = Phase::AwaitOpen;
+        if let Some(info) = &self.info {
+            let mut d = info.details.lock();
+            d.state = "opening";
+            (d.frame_max, d.channel_max, d.heartbeat) = (frame_max, channel_max, m.heartbeat);
+        }
         Ok(Next::Continue)
     }
 
@@ -250,6 +262,12 @@ impl Session {
         };
         self.conn = conn;
         self.outbox.conn_id.store(conn, Ordering::Release);
+        if let Some(info) = &self.info {
+            let mut d = info.details.lock();
+            d.state = "running";
+            d.vhost = vhost.clone();
+            d.conn = conn;
+        }
         self.vhost = vhost;
         self.phase = Phase::Open;
         info!(conn, user = %self.user, vhost = %self.vhost, "connection open");

@@ -3,7 +3,7 @@
 mod basic;
 mod channel;
 mod confirm;
-mod connection;
+pub(crate) mod connection;
 mod exchange;
 mod queue;
 mod tx;

@@ -375,7 +375,13 @@ pub async fn spawn_binary(data: &std::path::Path, extra: &[&str]) -> Binary {
         l.local_addr().unwrap().port()
     };
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
-        .args(["server", "--amqp-listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "server",
+            "--management-listen",
+            "none",
+            "--amqp-listen",
+            &format!("127.0.0.1:{port}"),
+        ])
         .args(extra)
         .arg("--data-dir")
         .arg(data)

@@ -1,0 +1,228 @@
+"""The management HTTP API (RabbitMQ's rabbitmq_management on port 15672): the endpoints tools
+and client test suites use to look at the broker and to close connections.
+
+MANAGEMENT_URL names the API (default http://127.0.0.1:15672); the same tests pass against
+RabbitMQ 3.10 with the management plugin enabled.
+"""
+import base64
+import json
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pika
+import pytest
+
+from helpers import PASSWORD, USER, make_params, unique
+
+MANAGEMENT_URL = os.environ.get("MANAGEMENT_URL", "http://127.0.0.1:15672")
+
+
+def api(method, path, user=USER, password=PASSWORD, headers=None):
+    """(status, parsed JSON body or None, response headers)."""
+    h = dict(headers or {})
+    if user is not None:
+        token = base64.b64encode(("%s:%s" % (user, password)).encode()).decode()
+        h["Authorization"] = "Basic " + token
+    req = urllib.request.Request(MANAGEMENT_URL + path, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+            return r.status, (json.loads(body) if body else None), r.headers
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        return e.code, (json.loads(body) if body else None), e.headers
+
+
+def q(s):
+    return urllib.parse.quote(s, safe="")
+
+
+def named_connection(name):
+    params = make_params()
+    params.client_properties = {"connection_name": name}
+    return pika.BlockingConnection(params)
+
+
+def find_connection(name, timeout=5.0):
+    """The API's entry for the connection whose client named itself `name`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status, conns, _ = api("GET", "/api/connections")
+        assert status == 200
+        for c in conns:
+            if c.get("client_properties", {}).get("connection_name") == name:
+                return c
+        time.sleep(0.1)
+    raise AssertionError("connection %s not listed" % name)
+
+
+def test_requests_without_valid_credentials_are_refused():
+    status, body, headers = api("GET", "/api/overview", user=None)
+    assert status == 401
+    assert "Basic" in headers.get("WWW-Authenticate", "")
+    status, _, _ = api("GET", "/api/overview", password="wrong-" + PASSWORD)
+    assert status == 401
+
+
+def test_overview_counts_objects():
+    c = named_connection(unique("overview"))
+    try:
+        c.channel().queue_declare(unique("ov"), exclusive=True)
+        status, body, _ = api("GET", "/api/overview")
+        assert status == 200
+        assert body["rabbitmq_version"].startswith("3.")
+        totals = body["object_totals"]
+        assert totals["connections"] >= 1
+        assert totals["channels"] >= 1
+        assert totals["queues"] >= 1
+        assert totals["exchanges"] >= 6
+        assert {"messages", "messages_ready", "messages_unacknowledged"} <= set(body["queue_totals"])
+    finally:
+        c.close()
+
+
+def test_whoami_and_vhosts():
+    status, me, _ = api("GET", "/api/whoami")
+    assert status == 200 and me["name"] == USER
+    status, vhosts, _ = api("GET", "/api/vhosts")
+    assert status == 200 and "/" in [v["name"] for v in vhosts]
+    assert api("GET", "/api/vhosts/%2F")[0] == 200
+    assert api("GET", "/api/vhosts/" + unique("novhost"))[0] == 404
+
+
+def test_connections_are_listed_with_their_client_properties():
+    name = unique("listed")
+    c = named_connection(name)
+    try:
+        c.channel()
+        c.channel()
+        entry = find_connection(name)
+        assert entry["user"] == USER
+        assert entry["vhost"] == "/"
+        assert entry["state"] == "running"
+        assert entry["protocol"] == "AMQP 0-9-1"
+        assert entry["channels"] == 2
+        assert entry["user_provided_name"] == name
+        assert entry["client_properties"]["product"] == "Pika Python Client Library"
+        status, one, _ = api("GET", "/api/connections/" + q(entry["name"]))
+        assert status == 200 and one["name"] == entry["name"]
+    finally:
+        c.close()
+    # Gone from the list once closed.
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        _, conns, _ = api("GET", "/api/connections")
+        if all(x.get("client_properties", {}).get("connection_name") != name for x in conns):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("closed connection still listed")
+    assert api("GET", "/api/connections/" + q(entry["name"]))[0] == 404
+
+
+def closed_by_broker(conn):
+    """Run the connection's I/O until the broker closes it; the (code, text) it gave."""
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            conn.process_data_events(time_limit=0.2)
+        except pika.exceptions.ConnectionClosedByBroker as e:
+            return e.reply_code, e.reply_text
+    raise AssertionError("the broker did not close the connection")
+
+
+def test_deleting_a_connection_closes_it_with_320_and_the_reason():
+    name = unique("victim")
+    victim = named_connection(name)
+    bystander = named_connection(unique("bystander"))
+    try:
+        entry = find_connection(name)
+        status, _, _ = api("DELETE", "/api/connections/" + q(entry["name"]),
+                           headers={"X-Reason": "maintenance window"})
+        assert status in (200, 204)
+        code, text = closed_by_broker(victim)
+        assert code == 320
+        assert text == "CONNECTION_FORCED - maintenance window"
+        # Other clients carry on.
+        ch = bystander.channel()
+        qn = ch.queue_declare(unique("still-here"), exclusive=True).method.queue
+        ch.basic_publish("", qn, b"ok")
+        assert ch.basic_get(qn, auto_ack=True)[2] == b"ok"
+    finally:
+        bystander.close()
+
+
+def test_deleting_a_connection_without_a_reason():
+    name = unique("victim2")
+    victim = named_connection(name)
+    entry = find_connection(name)
+    assert api("DELETE", "/api/connections/" + q(entry["name"]))[0] in (200, 204)
+    code, text = closed_by_broker(victim)
+    assert (code, text) == (320, "CONNECTION_FORCED - Closed via management plugin")
+
+
+def test_deleting_an_unknown_connection_is_404():
+    status, body, _ = api("DELETE", "/api/connections/" + q("127.0.0.1:1 -> 127.0.0.1:2"))
+    assert status == 404
+    assert body["error"] == "Object Not Found"
+
+
+def test_queues_show_their_counts_and_arguments():
+    c = named_connection(unique("queues"))
+    try:
+        ch = c.channel()
+        qn = unique("counted")
+        ch.queue_declare(qn, arguments={"x-max-length": 10, "x-queue-mode": "default"})
+        for body in (b"1", b"2"):
+            ch.basic_publish("", qn, body)
+        ch.basic_qos(prefetch_count=1)
+        got = []
+        ch.basic_consume(qn, lambda _ch, m, _p, b: got.append(m.delivery_tag))
+        deadline = time.time() + 5
+        while not got and time.time() < deadline:
+            c.process_data_events(time_limit=0.1)
+        assert got, "no delivery"
+        # RabbitMQ's API updates its numbers every few seconds; wait for them.
+        deadline = time.time() + 15
+        while True:
+            status, queue, _ = api("GET", "/api/queues/%2F/" + q(qn))
+            assert status == 200
+            if (queue.get("messages_ready"), queue.get("messages_unacknowledged")) == (1, 1):
+                break
+            assert time.time() < deadline, queue
+            c.process_data_events(time_limit=0.2)
+        assert queue["name"] == qn and queue["vhost"] == "/"
+        assert queue["messages"] == 2
+        assert queue["consumers"] == 1
+        assert queue["durable"] is False and queue["exclusive"] is False
+        assert queue["arguments"]["x-max-length"] == 10
+        status, listed, _ = api("GET", "/api/queues/%2F")
+        assert status == 200 and qn in [x["name"] for x in listed]
+        status, listed, _ = api("GET", "/api/queues")
+        assert status == 200 and qn in [x["name"] for x in listed]
+        ch.queue_delete(qn)
+        assert api("GET", "/api/queues/%2F/" + q(qn))[0] == 404
+    finally:
+        c.close()
+    assert api("GET", "/api/queues/" + unique("novhost"))[0] == 404
+
+
+def test_exchanges_are_listed():
+    c = named_connection(unique("exchanges"))
+    try:
+        ch = c.channel()
+        x = unique("x")
+        ch.exchange_declare(x, exchange_type="topic", auto_delete=True)
+        status, one, _ = api("GET", "/api/exchanges/%2F/" + q(x))
+        assert status == 200
+        assert (one["name"], one["type"], one["auto_delete"], one["durable"]) == (x, "topic", True, False)
+        status, listed, _ = api("GET", "/api/exchanges/%2F")
+        names = [e["name"] for e in listed]
+        assert x in names and "amq.direct" in names
+        ch.exchange_delete(x)
+        assert api("GET", "/api/exchanges/%2F/" + q(x))[0] == 404
+    finally:
+        c.close()
