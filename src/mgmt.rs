@@ -141,7 +141,7 @@ fn authenticate(shared: &Shared, headers: &HeaderMap, peer: SocketAddr) -> Optio
 fn unauthorized() -> Response {
     let mut r = (
         StatusCode::UNAUTHORIZED,
-        Json(json!({"error": "not_authorised", "reason": "Login failed"})),
+        Json(json!({"error": "not_authorized", "reason": "Login failed"})),
     )
         .into_response();
     r.headers_mut().insert(
