@@ -240,3 +240,88 @@ def test_exchanges_are_listed():
         assert api("GET", "/api/exchanges/%2F/" + q(x))[0] == 404
     finally:
         c.close()
+
+
+def put_json(path, obj):
+    h = {"Content-Type": "application/json"}
+    token = base64.b64encode(("%s:%s" % (USER, PASSWORD)).encode()).decode()
+    h["Authorization"] = "Basic " + token
+    req = urllib.request.Request(MANAGEMENT_URL + path, method="PUT", headers=h,
+                                 data=json.dumps(obj).encode() if obj is not None else b"{bad")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def message_count(ch, queue):
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def test_queues_are_declared_purged_and_deleted_through_the_api():
+    qn = unique("api-q")
+    path = "/api/queues/%2F/" + q(qn)
+    status, _ = put_json(path, {"durable": True, "auto_delete": False,
+                                "arguments": {"x-max-length": 5}})
+    assert status == 201
+    # The same declaration again: nothing to create.
+    assert put_json(path, {"durable": True, "arguments": {"x-max-length": 5}})[0] == 204
+    # A different one is refused, and the queue is unchanged.
+    assert put_json(path, {"durable": False, "arguments": {"x-max-length": 5}})[0] == 400
+    c = named_connection(unique("api-q-client"))
+    try:
+        ch = c.channel()
+        # AMQP sees the queue the API made: same flags and arguments, or 406.
+        ch.queue_declare(qn, durable=True, arguments={"x-max-length": 5})
+        for i in range(3):
+            ch.basic_publish("", qn, b"m%d" % i)
+        assert message_count(ch, qn) == 3
+        status, queue, _ = api("GET", path)
+        assert status == 200 and queue["durable"] is True
+        assert queue["arguments"] == {"x-max-length": 5}
+        # if-empty refuses a queue with messages.
+        status, _, _ = api("DELETE", path + "?if-empty=true")
+        assert status == 400
+        assert message_count(ch, qn) == 3
+        assert api("DELETE", path + "/contents")[0] == 204
+        assert message_count(ch, qn) == 0
+        assert api("DELETE", path)[0] == 204
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.queue_declare(qn, passive=True)
+        assert e.value.reply_code == 404
+    finally:
+        c.close()
+    assert api("GET", path)[0] == 404
+    assert api("DELETE", path)[0] == 404
+    assert api("DELETE", path + "/contents")[0] == 404
+
+
+def test_exchanges_are_declared_and_deleted_through_the_api():
+    x = unique("api-x")
+    path = "/api/exchanges/%2F/" + q(x)
+    assert put_json(path, {"type": "fanout", "durable": False})[0] == 201
+    assert put_json(path, {"type": "fanout", "durable": False})[0] == 204
+    assert put_json(path, {"type": "topic", "durable": False})[0] == 400
+    assert put_json("/api/exchanges/%2F/" + q(unique("untyped")), {"durable": False})[0] == 400
+    assert put_json("/api/exchanges/%2F/" + q(unique("bad-json")), None)[0] == 400
+    c = named_connection(unique("api-x-client"))
+    try:
+        ch = c.channel()
+        qn = ch.queue_declare("", exclusive=True).method.queue
+        ch.queue_bind(qn, x)
+        ch.basic_publish(x, "any", b"through the api's exchange")
+        deadline = time.time() + 5
+        got = None
+        while got is None and time.time() < deadline:
+            got = ch.basic_get(qn, auto_ack=True)[2]
+        assert got == b"through the api's exchange"
+        status, one, _ = api("GET", path)
+        assert status == 200 and one["type"] == "fanout"
+        assert api("DELETE", path)[0] == 204
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.exchange_declare(x, passive=True)
+        assert e.value.reply_code == 404
+    finally:
+        c.close()
+    assert api("DELETE", path)[0] == 404

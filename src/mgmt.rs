@@ -5,13 +5,16 @@
 //! Users log in with HTTP basic auth, with the same users (and loopback rule for `guest`) as
 //! AMQP. Every user is an administrator until users get tags and permissions.
 
-use crate::broker::{ConnId, ExchangeView, QueueView};
+use crate::broker::{
+    Broker, ConnId, Effect, ExchangeDeclare, ExchangeView, QueueDeclare, QueueView,
+};
 use crate::server::Shared;
 use amq_protocol::types::{AMQPValue, FieldTable};
+use axum::extract::Query;
 use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{delete, get};
 use axum::{Json, Router};
 use base64::Engine;
 use parking_lot::Mutex;
@@ -19,6 +22,7 @@ use serde_json::{json, Map, Value};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::sync::Notify;
+use warren_protocol::reply::{AmqpError, ReplyCode};
 
 /// One client connection, from its protocol header to its end: what the API shows of it, and
 /// the way to close it from outside.
@@ -110,10 +114,17 @@ fn router(shared: Arc<Shared>) -> Router {
         )
         .route("/api/queues", get(queues_all))
         .route("/api/queues/{vhost}", get(queues_in))
-        .route("/api/queues/{vhost}/{name}", get(queue))
+        .route(
+            "/api/queues/{vhost}/{name}",
+            get(queue).put(put_queue).delete(delete_queue),
+        )
+        .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_in))
-        .route("/api/exchanges/{vhost}/{name}", get(exchange))
+        .route(
+            "/api/exchanges/{vhost}/{name}",
+            get(exchange).put(put_exchange).delete(delete_exchange),
+        )
         .fallback(|| async { not_found() })
         .with_state(shared)
 }
@@ -451,6 +462,323 @@ async fn exchange(
             None => not_found(),
         }
     })
+}
+
+/// Run `f` on the broker core as a connection-less administrator, carry out its effects, and
+/// wait until the durable changes it made are in the store (as AMQP's declare-ok does).
+async fn change<R>(
+    shared: &Arc<Shared>,
+    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> Result<R, AmqpError>,
+) -> Result<R, ChangeError> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (result, ticket) = {
+        let mut b = shared.lock_notify(Some(tx));
+        b.set_clock(crate::conn::session::now_ms());
+        let mut fx = Vec::new();
+        let result = f(&mut b, &mut fx);
+        shared.apply_effects(&mut fx);
+        let ticket = b.flush();
+        (result, ticket)
+    };
+    let result = result.map_err(ChangeError::Refused)?;
+    if let Some(ticket) = ticket {
+        while let Some(done) = rx.recv().await {
+            if done.ticket >= ticket {
+                if !done.ok {
+                    return Err(ChangeError::Store);
+                }
+                break;
+            }
+        }
+    }
+    Ok(result)
+}
+
+/// Why a change through the API did not happen.
+enum ChangeError {
+    Refused(AmqpError),
+    Store,
+}
+
+impl IntoResponse for ChangeError {
+    fn into_response(self) -> Response {
+        match self {
+            ChangeError::Refused(e) => amqp_error_response(&e),
+            ChangeError::Store => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({"error": "internal_error", "reason": "the store failed"})),
+            )
+                .into_response(),
+        }
+    }
+}
+
+/// An AMQP refusal as the API's error: 404 for what does not exist, 403 for what is not
+/// allowed, 405 for a resource another connection holds, 400 for the rest.
+fn amqp_error_response(e: &AmqpError) -> Response {
+    let (status, error) = match e.code {
+        ReplyCode::NotFound => (StatusCode::NOT_FOUND, "Object Not Found"),
+        ReplyCode::AccessRefused => (StatusCode::FORBIDDEN, "access_refused"),
+        ReplyCode::ResourceLocked => (StatusCode::METHOD_NOT_ALLOWED, "resource_locked"),
+        _ => (StatusCode::BAD_REQUEST, "bad_request"),
+    };
+    (status, Json(json!({"error": error, "reason": e.text}))).into_response()
+}
+
+fn bad_request(reason: &str) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({"error": "bad_request", "reason": reason})),
+    )
+        .into_response()
+}
+
+/// The JSON body of a PUT: an object (an empty body is an empty object).
+fn body_object(body: &axum::body::Bytes) -> Result<Map<String, Value>, String> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Ok(Map::new());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err("not a JSON object".into()),
+        Err(e) => Err(format!("invalid JSON: {e}")),
+    }
+}
+
+fn flag(m: &Map<String, Value>, key: &str, default: bool) -> Result<bool, String> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(Value::String(s)) if s == "true" || s == "false" => Ok(s == "true"),
+        Some(_) => Err(format!("{key} must be true or false")),
+    }
+}
+
+fn arguments(m: &Map<String, Value>) -> Result<FieldTable, String> {
+    match m.get("arguments") {
+        None | Some(Value::Null) => Ok(FieldTable::default()),
+        Some(Value::Object(a)) => Ok(json_table(a)),
+        Some(_) => Err("arguments must be an object".into()),
+    }
+}
+
+/// PUT /api/queues/{vhost}/{name}: declare (201 when created, 204 when it was there).
+async fn put_queue(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    let declare = (|| {
+        Ok::<_, String>(QueueDeclare {
+            name: name.clone(),
+            passive: false,
+            durable: flag(&m, "durable", true)?,
+            exclusive: false,
+            auto_delete: flag(&m, "auto_delete", false)?,
+            arguments: arguments(&m)?,
+        })
+    })();
+    let declare = match declare {
+        Ok(d) => d,
+        Err(reason) => return bad_request(&reason),
+    };
+    if name.is_empty() {
+        return bad_request("a queue needs a name");
+    }
+    let result = change(&shared, |b, fx| {
+        if !b.has_vhost(&vhost) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
+        }
+        let existed = b.queue_info(&vhost, &name).is_some();
+        b.queue_declare(0, &vhost, declare, fx).map(|_| existed)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+#[derive(serde::Deserialize, Default)]
+struct DeleteQuery {
+    #[serde(rename = "if-unused", default)]
+    if_unused: Option<String>,
+    #[serde(rename = "if-empty", default)]
+    if_empty: Option<String>,
+}
+
+/// DELETE /api/queues/{vhost}/{name} (`?if-unused=true`, `?if-empty=true`).
+async fn delete_queue(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<DeleteQuery>,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let yes = |v: &Option<String>| v.as_deref() == Some("true");
+    let result = change(&shared, |b, fx| {
+        if b.queue_info(&vhost, &name).is_none() {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.queue_delete(
+            0,
+            &vhost,
+            &name,
+            yes(&query.if_unused),
+            yes(&query.if_empty),
+            fx,
+        )
+    })
+    .await;
+    match result {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/queues/{vhost}/{name}/contents: purge.
+async fn purge_queue(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let result = change(&shared, |b, fx| {
+        if b.queue_info(&vhost, &name).is_none() {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.queue_purge(0, &vhost, &name, fx)
+    })
+    .await;
+    match result {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// PUT /api/exchanges/{vhost}/{name}: declare (201 when created, 204 when it was there).
+async fn put_exchange(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    let Some(Value::String(kind)) = m.get("type") else {
+        return bad_request("an exchange needs a type");
+    };
+    let declare = (|| {
+        Ok::<_, String>(ExchangeDeclare {
+            name: name.clone(),
+            kind: kind.clone(),
+            passive: false,
+            durable: flag(&m, "durable", true)?,
+            auto_delete: flag(&m, "auto_delete", false)?,
+            internal: flag(&m, "internal", false)?,
+            arguments: arguments(&m)?,
+        })
+    })();
+    let declare = match declare {
+        Ok(d) => d,
+        Err(reason) => return bad_request(&reason),
+    };
+    if name.is_empty() {
+        return (
+            StatusCode::METHOD_NOT_ALLOWED,
+            Json(json!({"error": "method_not_allowed", "reason": "the default exchange cannot be declared"})),
+        )
+            .into_response();
+    }
+    let result = change(&shared, |b, fx| {
+        if !b.has_vhost(&vhost) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
+        }
+        let existed = b.exchange_exists(&vhost, &name);
+        b.exchange_declare(&vhost, declare, fx).map(|_| existed)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/exchanges/{vhost}/{name} (`?if-unused=true`).
+async fn delete_exchange(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<DeleteQuery>,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let result = change(&shared, |b, fx| {
+        if !b.exchange_exists(&vhost, &name) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.exchange_delete(
+            &vhost,
+            &name,
+            query.if_unused.as_deref() == Some("true"),
+            fx,
+        )
+    })
+    .await;
+    match result {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A JSON object as a field table: integers as signed 64-bit, other numbers as doubles.
+fn json_table(m: &Map<String, Value>) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in m {
+        t.insert(k.as_str().into(), json_value(v));
+    }
+    t
+}
+
+fn json_value(v: &Value) -> AMQPValue {
+    match v {
+        Value::Null => AMQPValue::Void,
+        Value::Bool(b) => AMQPValue::Boolean(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => AMQPValue::LongLongInt(i),
+            None => AMQPValue::Double(n.as_f64().unwrap_or(0.0)),
+        },
+        Value::String(s) => AMQPValue::LongString(s.as_str().into()),
+        Value::Array(a) => {
+            AMQPValue::FieldArray(a.iter().map(json_value).collect::<Vec<_>>().into())
+        }
+        Value::Object(o) => AMQPValue::FieldTable(json_table(o)),
+    }
 }
 
 /// A field table as RabbitMQ's API renders it: a JSON object of plain values.
