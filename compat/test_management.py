@@ -325,3 +325,73 @@ def test_exchanges_are_declared_and_deleted_through_the_api():
     finally:
         c.close()
     assert api("DELETE", path)[0] == 404
+
+
+def post_json(path, obj):
+    h = {"Content-Type": "application/json"}
+    token = base64.b64encode(("%s:%s" % (USER, PASSWORD)).encode()).decode()
+    h["Authorization"] = "Basic " + token
+    req = urllib.request.Request(MANAGEMENT_URL + path, method="POST", headers=h,
+                                 data=json.dumps(obj).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers
+
+
+def test_bindings_are_listed_added_and_deleted_through_the_api():
+    c = named_connection(unique("bindings"))
+    try:
+        ch = c.channel()
+        x = unique("bx")
+        x2 = unique("bx2")
+        ch.exchange_declare(x, exchange_type="direct", auto_delete=False)
+        ch.exchange_declare(x2, exchange_type="fanout", auto_delete=False)
+        qn = ch.queue_declare(unique("bq")).method.queue
+        ch.queue_bind(qn, x, routing_key="from-amqp")
+        # Listed: the default exchange's implicit binding and the one made over AMQP.
+        status, listed, _ = api("GET", "/api/queues/%2F/" + q(qn) + "/bindings")
+        assert status == 200
+        keys = sorted((b["source"], b["routing_key"], b["destination_type"]) for b in listed)
+        assert keys == [("", qn, "queue"), (x, "from-amqp", "queue")]
+        one = [b for b in listed if b["source"] == x][0]
+        assert one["properties_key"] == "from-amqp"
+        # Added through the API: messages follow it.
+        base = "/api/bindings/%2F/e/" + q(x) + "/q/" + q(qn)
+        status, headers = post_json(base, {"routing_key": "from-api", "arguments": {}})
+        assert status == 201
+        assert headers.get("Location")
+        ch.basic_publish(x, "from-api", b"routed by the api's binding")
+        deadline = time.time() + 5
+        got = None
+        while got is None and time.time() < deadline:
+            got = ch.basic_get(qn, auto_ack=True)[2]
+        assert got == b"routed by the api's binding"
+        status, between, _ = api("GET", base)
+        assert status == 200
+        assert sorted(b["routing_key"] for b in between) == ["from-amqp", "from-api"]
+        # Exchange to exchange.
+        status, _ = post_json("/api/bindings/%2F/e/" + q(x) + "/e/" + q(x2),
+                              {"routing_key": "e2e"})
+        assert status == 201
+        status, e2e, _ = api("GET", "/api/bindings/%2F/e/" + q(x) + "/e/" + q(x2))
+        assert status == 200 and [b["destination_type"] for b in e2e] == ["exchange"]
+        # Deleted by its properties_key: messages stop following it.
+        assert api("DELETE", base + "/" + q("from-api"))[0] == 204
+        assert api("DELETE", base + "/" + q("from-api"))[0] == 404
+        ch.basic_publish(x, "from-api", b"unroutable now")
+        ch.basic_publish(x, "from-amqp", b"still bound")
+        deadline = time.time() + 5
+        got = None
+        while got is None and time.time() < deadline:
+            got = ch.basic_get(qn, auto_ack=True)[2]
+        assert got == b"still bound"
+        assert api("DELETE", "/api/bindings/%2F/e/" + q(x) + "/e/" + q(x2) + "/e2e")[0] == 204
+        # A binding to something that does not exist is not found.
+        assert post_json("/api/bindings/%2F/e/" + q(x) + "/q/" + q(unique("nope")), {})[0] == 404
+        ch.exchange_delete(x)
+        ch.exchange_delete(x2)
+        ch.queue_delete(qn)
+    finally:
+        c.close()

@@ -6,7 +6,7 @@
 //! AMQP. Every user is an administrator until users get tags and permissions.
 
 use crate::broker::{
-    Broker, ConnId, Effect, ExchangeDeclare, ExchangeView, QueueDeclare, QueueView,
+    BindingView, Broker, ConnId, Effect, ExchangeDeclare, ExchangeView, QueueDeclare, QueueView,
 };
 use crate::server::Shared;
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -119,6 +119,17 @@ fn router(shared: Arc<Shared>) -> Router {
             get(queue).put(put_queue).delete(delete_queue),
         )
         .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
+        .route("/api/queues/{vhost}/{name}/bindings", get(queue_bindings))
+        .route("/api/bindings", get(bindings_all))
+        .route("/api/bindings/{vhost}", get(bindings_in))
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}",
+            get(bindings_between).post(add_binding),
+        )
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}/{props}",
+            get(binding_one).delete(delete_binding),
+        )
         .route("/api/exchanges", get(exchanges_all))
         .route("/api/exchanges/{vhost}", get(exchanges_in))
         .route(
@@ -754,6 +765,289 @@ async fn delete_exchange(
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// RabbitMQ's `properties_key` of a binding, which names it in a path: "~" for an empty
+/// routing key without arguments, the routing key itself, or the key, "~" and a digest of
+/// the arguments.
+fn properties_key(b: &BindingView) -> String {
+    if b.arguments.inner().is_empty() {
+        if b.routing_key.is_empty() {
+            "~".into()
+        } else {
+            b.routing_key.clone()
+        }
+    } else {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        format!("{:?}", b.arguments).hash(&mut h);
+        format!("{}~{:016x}", b.routing_key, h.finish())
+    }
+}
+
+fn binding_json(b: &BindingView) -> Value {
+    json!({
+        "source": b.source,
+        "vhost": b.vhost,
+        "destination": b.destination,
+        "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
+        "routing_key": b.routing_key,
+        "arguments": table_json(&b.arguments),
+        "properties_key": properties_key(b),
+    })
+}
+
+fn binding_list(
+    shared: &Shared,
+    vhost: Option<&str>,
+    keep: impl Fn(&BindingView) -> bool,
+) -> Response {
+    let list = shared.broker.lock().binding_views(vhost);
+    Json(Value::Array(
+        list.iter().filter(|b| keep(b)).map(binding_json).collect(),
+    ))
+    .into_response()
+}
+
+async fn bindings_all(State(shared): Api, ConnectInfo(peer): Peer, headers: HeaderMap) -> Response {
+    authed(&shared, &headers, peer, |_| {
+        binding_list(&shared, None, |_| true)
+    })
+}
+
+async fn bindings_in(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path(vhost): Path<String>,
+) -> Response {
+    authed(&shared, &headers, peer, |_| {
+        if !shared.broker.lock().has_vhost(&vhost) {
+            return not_found();
+        }
+        binding_list(&shared, Some(&vhost), |_| true)
+    })
+}
+
+async fn queue_bindings(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Response {
+    authed(&shared, &headers, peer, |_| {
+        if !queue_exists(&shared, &vhost, &name) {
+            return not_found();
+        }
+        binding_list(&shared, Some(&vhost), |b| {
+            b.destination_is_queue && b.destination == name
+        })
+    })
+}
+
+fn queue_exists(shared: &Shared, vhost: &str, name: &str) -> bool {
+    shared
+        .broker
+        .lock()
+        .queue_views(Some(vhost))
+        .iter()
+        .any(|q| q.name == name)
+}
+
+/// The `q` or `e` of a binding path: whether the destination is a queue.
+fn destination_kind(kind: &str) -> Option<bool> {
+    match kind {
+        "q" => Some(true),
+        "e" => Some(false),
+        _ => None,
+    }
+}
+
+/// Whether the source exchange and the destination exist (else the path is not found).
+fn binding_ends_exist(
+    shared: &Shared,
+    vhost: &str,
+    source: &str,
+    to_queue: bool,
+    dest: &str,
+) -> bool {
+    let source_exists = shared.broker.lock().exchange_exists(vhost, source);
+    source_exists
+        && if to_queue {
+            queue_exists(shared, vhost, dest)
+        } else {
+            shared.broker.lock().exchange_exists(vhost, dest)
+        }
+}
+
+type BindingPath = Path<(String, String, String, String)>;
+type BindingKeyPath = Path<(String, String, String, String, String)>;
+
+async fn bindings_between(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, source, kind, dest)): BindingPath,
+) -> Response {
+    authed(&shared, &headers, peer, |_| {
+        let Some(to_queue) = destination_kind(&kind) else {
+            return not_found();
+        };
+        if !binding_ends_exist(&shared, &vhost, &source, to_queue, &dest) {
+            return not_found();
+        }
+        binding_list(&shared, Some(&vhost), |b| {
+            b.source == source && b.destination == dest && b.destination_is_queue == to_queue
+        })
+    })
+}
+
+async fn binding_one(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, source, kind, dest, props)): BindingKeyPath,
+) -> Response {
+    authed(&shared, &headers, peer, |_| {
+        let Some(to_queue) = destination_kind(&kind) else {
+            return not_found();
+        };
+        let list = shared.broker.lock().binding_views(Some(&vhost));
+        match list.iter().find(|b| {
+            b.source == source
+                && b.destination == dest
+                && b.destination_is_queue == to_queue
+                && properties_key(b) == props
+        }) {
+            Some(b) => Json(binding_json(b)).into_response(),
+            None => not_found(),
+        }
+    })
+}
+
+/// POST /api/bindings/{vhost}/e/{source}/{q|e}/{destination} with `routing_key` and
+/// `arguments`: 201 and a Location naming the binding.
+async fn add_binding(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, source, kind, dest)): BindingPath,
+    body: axum::body::Bytes,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let Some(to_queue) = destination_kind(&kind) else {
+        return not_found();
+    };
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    let routing_key = match m.get("routing_key") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return bad_request("routing_key must be a string"),
+    };
+    let args = match arguments(&m) {
+        Ok(a) => a,
+        Err(reason) => return bad_request(&reason),
+    };
+    if !binding_ends_exist(&shared, &vhost, &source, to_queue, &dest) {
+        return not_found();
+    }
+    let result = change(&shared, |b, fx| {
+        if to_queue {
+            b.queue_bind(0, &vhost, &dest, &source, &routing_key, &args, true, fx)
+        } else {
+            b.exchange_bind(&vhost, &dest, &source, &routing_key, &args, true, fx)
+        }
+    })
+    .await;
+    match result {
+        Ok(()) => {
+            let view = BindingView {
+                vhost: vhost.clone(),
+                source,
+                destination: dest,
+                destination_is_queue: to_queue,
+                routing_key,
+                arguments: args,
+            };
+            let mut r = StatusCode::CREATED.into_response();
+            let location = format!("./{}", pct(&properties_key(&view)));
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                r.headers_mut().insert(header::LOCATION, v);
+            }
+            r
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{properties_key}.
+async fn delete_binding(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    headers: HeaderMap,
+    Path((vhost, source, kind, dest, props)): BindingKeyPath,
+) -> Response {
+    if authenticate(&shared, &headers, peer).is_none() {
+        return unauthorized();
+    }
+    let Some(to_queue) = destination_kind(&kind) else {
+        return not_found();
+    };
+    let result = change(&shared, |b, fx| {
+        let found = b.binding_views(Some(&vhost)).into_iter().find(|v| {
+            !v.source.is_empty()
+                && v.source == source
+                && v.destination == dest
+                && v.destination_is_queue == to_queue
+                && properties_key(v) == props
+        });
+        let Some(v) = found else {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        };
+        if to_queue {
+            b.queue_bind(
+                0,
+                &vhost,
+                &dest,
+                &source,
+                &v.routing_key,
+                &v.arguments,
+                false,
+                fx,
+            )
+        } else {
+            b.exchange_bind(
+                &vhost,
+                &dest,
+                &source,
+                &v.routing_key,
+                &v.arguments,
+                false,
+                fx,
+            )
+        }
+    })
+    .await;
+    match result {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Percent-encode a path segment (all but RFC 3986's unreserved characters).
+fn pct(s: &str) -> String {
+    use percent_encoding::{utf8_percent_encode, NON_ALPHANUMERIC};
+    const SEGMENT: &percent_encoding::AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    utf8_percent_encode(s, SEGMENT).to_string()
 }
 
 /// A JSON object as a field table: integers as signed 64-bit, other numbers as doubles.

@@ -2743,6 +2743,55 @@ impl Broker {
         out
     }
 
+    /// The bindings of `vhost` (all vhosts when None), with the default exchange's implicit
+    /// binding to each queue first, as RabbitMQ lists them.
+    pub fn binding_views(&self, vhost: Option<&str>) -> Vec<BindingView> {
+        let mut out = Vec::new();
+        let mut names: Vec<&String> = self
+            .vhosts
+            .keys()
+            .filter(|v| vhost.is_none_or(|want| want == v.as_str()))
+            .collect();
+        names.sort();
+        for vname in names {
+            let v = &self.vhosts[vname];
+            let mut queues: Vec<&String> = v.queues.keys().collect();
+            queues.sort();
+            for q in queues {
+                out.push(BindingView {
+                    vhost: vname.clone(),
+                    source: String::new(),
+                    destination: q.clone(),
+                    destination_is_queue: true,
+                    routing_key: q.clone(),
+                    arguments: FieldTable::default(),
+                });
+            }
+            let mut exchanges: Vec<&Exchange> = v.exchanges.values().collect();
+            exchanges.sort_by(|a, b| a.name.cmp(&b.name));
+            for x in exchanges {
+                for b in &x.bindings {
+                    let (destination, destination_is_queue) = match &b.dest {
+                        Dest::Queue(id) => match self.queues.get(id) {
+                            Some(q) => (q.name.to_string(), true),
+                            None => continue,
+                        },
+                        Dest::Exchange(name) => (name.clone(), false),
+                    };
+                    out.push(BindingView {
+                        vhost: vname.clone(),
+                        source: x.name.clone(),
+                        destination,
+                        destination_is_queue,
+                        routing_key: b.routing_key.clone(),
+                        arguments: b.arguments.clone(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
     /// The exchanges of `vhost` (all vhosts when None), sorted by vhost and name.
     pub fn exchange_views(&self, vhost: Option<&str>) -> Vec<ExchangeView> {
         let mut out = Vec::new();
@@ -2765,6 +2814,17 @@ impl Broker {
         out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
         out
     }
+}
+
+/// A binding as the management API lists it (`destination_is_queue`: else an exchange).
+#[derive(Debug, Clone)]
+pub struct BindingView {
+    pub vhost: String,
+    pub source: String,
+    pub destination: String,
+    pub destination_is_queue: bool,
+    pub routing_key: String,
+    pub arguments: FieldTable,
 }
 
 /// A queue as the management API lists it.
