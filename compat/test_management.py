@@ -268,10 +268,20 @@ def test_queues_are_declared_purged_and_deleted_through_the_api():
     # The same declaration again: nothing to create.
     assert put_json(path, {"durable": True, "arguments": {"x-max-length": 5}})[0] == 204
     # A different one is refused, and the queue is unchanged.
-    assert put_json(path, {"durable": False, "arguments": {"x-max-length": 5}})[0] == 400
+    status, body = put_json(path, {"durable": False, "arguments": {"x-max-length": 5}})
+    assert status == 400
+    assert json.loads(body)["reason"].startswith("inequivalent arg 'durable'")
+    # A name the broker keeps for itself.
+    assert put_json("/api/queues/%2F/" + q("amq." + unique("api")), {})[0] == 401
+    # Without a body: a non-durable queue, as RabbitMQ makes.
+    plain = unique("api-plain")
+    assert put_json("/api/queues/%2F/" + q(plain), {})[0] == 201
+    assert api("GET", "/api/queues/%2F/" + q(plain))[1]["durable"] is False
+    assert api("DELETE", "/api/queues/%2F/" + q(plain))[0] == 204
     c = named_connection(unique("api-q-client"))
     try:
         ch = c.channel()
+        ch.confirm_delivery()
         # AMQP sees the queue the API made: same flags and arguments, or 406.
         ch.queue_declare(qn, durable=True, arguments={"x-max-length": 5})
         for i in range(3):
@@ -303,7 +313,12 @@ def test_exchanges_are_declared_and_deleted_through_the_api():
     assert put_json(path, {"type": "fanout", "durable": False})[0] == 201
     assert put_json(path, {"type": "fanout", "durable": False})[0] == 204
     assert put_json(path, {"type": "topic", "durable": False})[0] == 400
-    assert put_json("/api/exchanges/%2F/" + q(unique("untyped")), {"durable": False})[0] == 400
+    # No type: a direct exchange, as RabbitMQ makes.
+    untyped = unique("untyped")
+    assert put_json("/api/exchanges/%2F/" + q(untyped), {"auto_delete": True})[0] == 201
+    status, one, _ = api("GET", "/api/exchanges/%2F/" + q(untyped))
+    assert status == 200 and (one["type"], one["durable"]) == ("direct", False)
+    assert api("DELETE", "/api/exchanges/%2F/" + q(untyped))[0] == 204
     assert put_json("/api/exchanges/%2F/" + q(unique("bad-json")), None)[0] == 400
     c = named_connection(unique("api-x-client"))
     try:

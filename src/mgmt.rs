@@ -529,11 +529,23 @@ impl IntoResponse for ChangeError {
 fn amqp_error_response(e: &AmqpError) -> Response {
     let (status, error) = match e.code {
         ReplyCode::NotFound => (StatusCode::NOT_FOUND, "Object Not Found"),
-        ReplyCode::AccessRefused => (StatusCode::FORBIDDEN, "access_refused"),
+        // RabbitMQ answers a refused name (amq.*) as a failed login.
+        ReplyCode::AccessRefused => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Json(json!({"error": "not_authorised", "reason": "Access refused."})),
+            )
+                .into_response()
+        }
         ReplyCode::ResourceLocked => (StatusCode::METHOD_NOT_ALLOWED, "resource_locked"),
         _ => (StatusCode::BAD_REQUEST, "bad_request"),
     };
-    (status, Json(json!({"error": error, "reason": e.text}))).into_response()
+    // The reason without the reply code's name ("PRECONDITION_FAILED - "), as RabbitMQ's.
+    let reason = match e.text.split_once(" - ") {
+        Some((name, rest)) if name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_') => rest,
+        _ => e.text.as_str(),
+    };
+    (status, Json(json!({"error": error, "reason": reason}))).into_response()
 }
 
 fn bad_request(reason: &str) -> Response {
@@ -552,7 +564,7 @@ fn body_object(body: &axum::body::Bytes) -> Result<Map<String, Value>, String> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(m)) => Ok(m),
         Ok(_) => Err("not a JSON object".into()),
-        Err(e) => Err(format!("invalid JSON: {e}")),
+        Err(_) => Err("not_json".into()),
     }
 }
 
@@ -592,7 +604,7 @@ async fn put_queue(
         Ok::<_, String>(QueueDeclare {
             name: name.clone(),
             passive: false,
-            durable: flag(&m, "durable", true)?,
+            durable: flag(&m, "durable", false)?,
             exclusive: false,
             auto_delete: flag(&m, "auto_delete", false)?,
             arguments: arguments(&m)?,
@@ -698,15 +710,18 @@ async fn put_exchange(
         Ok(m) => m,
         Err(reason) => return bad_request(&reason),
     };
-    let Some(Value::String(kind)) = m.get("type") else {
-        return bad_request("an exchange needs a type");
+    // RabbitMQ makes a direct exchange when no type is given.
+    let kind = match m.get("type") {
+        None | Some(Value::Null) => "direct".to_string(),
+        Some(Value::String(k)) => k.clone(),
+        Some(_) => return bad_request("type must be a string"),
     };
     let declare = (|| {
         Ok::<_, String>(ExchangeDeclare {
             name: name.clone(),
-            kind: kind.clone(),
+            kind,
             passive: false,
-            durable: flag(&m, "durable", true)?,
+            durable: flag(&m, "durable", false)?,
             auto_delete: flag(&m, "auto_delete", false)?,
             internal: flag(&m, "internal", false)?,
             arguments: arguments(&m)?,
