@@ -173,6 +173,22 @@ fn unauthorized() -> Response {
     r
 }
 
+/// An authenticated listing of one vhost's objects (404 for a vhost that does not exist).
+fn in_vhost(
+    shared: &Shared,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+    vhost: &str,
+    list: impl FnOnce(&Shared, Option<&str>) -> Response,
+) -> Response {
+    authed(shared, headers, peer, |_| {
+        if !shared.broker.lock().has_vhost(vhost) {
+            return not_found();
+        }
+        list(shared, Some(vhost))
+    })
+}
+
 fn not_found() -> Response {
     (
         StatusCode::NOT_FOUND,
@@ -280,12 +296,14 @@ async fn vhost(
 }
 
 fn connection_json(shared: &Shared, c: &ConnInfo) -> Value {
-    let d = c.details.lock();
-    let channels = if d.conn != 0 {
-        shared.broker.lock().connection_channels(d.conn)
+    // The broker lock is not taken with the details' lock held (no lock nests in another here).
+    let conn = c.details.lock().conn;
+    let channels = if conn != 0 {
+        shared.broker.lock().connection_channels(conn)
     } else {
         0
     };
+    let d = c.details.lock();
     let props = table_json(&d.client_properties);
     let user_provided_name = props.get("connection_name").cloned();
     let mut v = json!({
@@ -398,12 +416,7 @@ async fn queues_in(
     headers: HeaderMap,
     Path(vhost): Path<String>,
 ) -> Response {
-    authed(&shared, &headers, peer, |_| {
-        if !shared.broker.lock().has_vhost(&vhost) {
-            return not_found();
-        }
-        queue_list(&shared, Some(&vhost))
-    })
+    in_vhost(&shared, &headers, peer, &vhost, queue_list)
 }
 
 async fn queue(
@@ -452,12 +465,7 @@ async fn exchanges_in(
     headers: HeaderMap,
     Path(vhost): Path<String>,
 ) -> Response {
-    authed(&shared, &headers, peer, |_| {
-        if !shared.broker.lock().has_vhost(&vhost) {
-            return not_found();
-        }
-        exchange_list(&shared, Some(&vhost))
-    })
+    in_vhost(&shared, &headers, peer, &vhost, exchange_list)
 }
 
 async fn exchange(
@@ -503,6 +511,14 @@ async fn change<R>(
         }
     }
     Ok(result)
+}
+
+/// 204 for a change made, else why not.
+fn no_content<R>(result: Result<R, ChangeError>) -> Response {
+    match result {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 /// Why a change through the API did not happen.
@@ -666,10 +682,7 @@ async fn delete_queue(
         )
     })
     .await;
-    match result {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    no_content(result)
 }
 
 /// DELETE /api/queues/{vhost}/{name}/contents: purge.
@@ -689,10 +702,7 @@ async fn purge_queue(
         b.queue_purge(0, &vhost, &name, fx)
     })
     .await;
-    match result {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    no_content(result)
 }
 
 /// PUT /api/exchanges/{vhost}/{name}: declare (201 when created, 204 when it was there).
@@ -776,10 +786,7 @@ async fn delete_exchange(
         )
     })
     .await;
-    match result {
-        Ok(_) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    no_content(result)
 }
 
 /// RabbitMQ's `properties_key` of a binding, which names it in a path: "~" for an empty
@@ -836,11 +843,8 @@ async fn bindings_in(
     headers: HeaderMap,
     Path(vhost): Path<String>,
 ) -> Response {
-    authed(&shared, &headers, peer, |_| {
-        if !shared.broker.lock().has_vhost(&vhost) {
-            return not_found();
-        }
-        binding_list(&shared, Some(&vhost), |_| true)
+    in_vhost(&shared, &headers, peer, &vhost, |s, v| {
+        binding_list(s, v, |_| true)
     })
 }
 
@@ -1048,10 +1052,7 @@ async fn delete_binding(
         }
     })
     .await;
-    match result {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    no_content(result)
 }
 
 /// Percent-encode a path segment (all but RFC 3986's unreserved characters).
