@@ -68,6 +68,11 @@ def test_requests_without_valid_credentials_are_refused():
     status, body, _ = api("GET", "/api/overview", password="wrong-" + PASSWORD)
     assert status == 401
     assert body["error"] == "not_authorized"
+    # Changes too: nothing is made without a login.
+    qn = unique("no-login")
+    status, _, _ = api("PUT", "/api/queues/%2F/" + q(qn), user=None, data=b"{}")
+    assert status == 401
+    assert api("GET", "/api/queues/%2F/" + q(qn))[0] == 404
 
 
 def test_overview_counts_objects():
@@ -250,6 +255,17 @@ def put_json(path, obj):
     return status, body
 
 
+def get_body(ch, queue, timeout=5.0):
+    """The body of the next message basic.get finds in `queue` within `timeout`, or None."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        body = ch.basic_get(queue, auto_ack=True)[2]
+        if body is not None:
+            return body
+        time.sleep(0.02)
+    return None
+
+
 def message_count(ch, queue):
     return ch.queue_declare(queue, passive=True).method.message_count
 
@@ -321,11 +337,7 @@ def test_exchanges_are_declared_and_deleted_through_the_api():
         qn = ch.queue_declare("", exclusive=True).method.queue
         ch.queue_bind(qn, x)
         ch.basic_publish(x, "any", b"through the api's exchange")
-        deadline = time.time() + 5
-        got = None
-        while got is None and time.time() < deadline:
-            got = ch.basic_get(qn, auto_ack=True)[2]
-        assert got == b"through the api's exchange"
+        assert get_body(ch, qn) == b"through the api's exchange"
         status, one, _ = api("GET", path)
         assert status == 200 and one["type"] == "fanout"
         assert api("DELETE", path)[0] == 204
@@ -366,11 +378,7 @@ def test_bindings_are_listed_added_and_deleted_through_the_api():
         assert status == 201
         assert headers.get("Location")
         ch.basic_publish(x, "from-api", b"routed by the api's binding")
-        deadline = time.time() + 5
-        got = None
-        while got is None and time.time() < deadline:
-            got = ch.basic_get(qn, auto_ack=True)[2]
-        assert got == b"routed by the api's binding"
+        assert get_body(ch, qn) == b"routed by the api's binding"
         status, between, _ = api("GET", base)
         assert status == 200
         assert sorted(b["routing_key"] for b in between) == ["from-amqp", "from-api"]
@@ -385,11 +393,7 @@ def test_bindings_are_listed_added_and_deleted_through_the_api():
         assert api("DELETE", base + "/" + q("from-api"))[0] == 404
         ch.basic_publish(x, "from-api", b"unroutable now")
         ch.basic_publish(x, "from-amqp", b"still bound")
-        deadline = time.time() + 5
-        got = None
-        while got is None and time.time() < deadline:
-            got = ch.basic_get(qn, auto_ack=True)[2]
-        assert got == b"still bound"
+        assert get_body(ch, qn) == b"still bound"
         assert api("DELETE", "/api/bindings/%2F/e/" + q(x) + "/e/" + q(x2) + "/e2e")[0] == 204
         # A binding to something that does not exist is not found.
         assert post_json("/api/bindings/%2F/e/" + q(x) + "/q/" + q(unique("nope")), {})[0] == 404

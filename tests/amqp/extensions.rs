@@ -137,15 +137,17 @@ async fn invalid_arguments_are_406_naming_the_argument() {
     }
 }
 
-#[tokio::test]
-async fn rejected_messages_are_dead_lettered_with_x_death() {
-    let server = TestServer::start().await;
-    let conn = server.connect().await;
-    let ch = conn.create_channel().await.unwrap();
-    let dlq = declare(&ch, &unique("dlq"), FieldTable::default()).await;
+/// Publish a message with `props` to a new queue that dead-letters to another through the
+/// default exchange, reject it, and fetch it from there: (source queue, dead-letter queue,
+/// the dead-lettered message).
+async fn reject_to_dead_letter_queue(
+    ch: &lapin::Channel,
+    props: BasicProperties,
+) -> (String, ShortString, lapin::message::BasicGetMessage) {
+    let dlq = declare(ch, &unique("dlq"), FieldTable::default()).await;
     let src = unique("src");
     declare(
-        &ch,
+        ch,
         &src,
         args(&[
             ("x-dead-letter-exchange", s("")),
@@ -153,13 +155,7 @@ async fn rejected_messages_are_dead_lettered_with_x_death() {
         ]),
     )
     .await;
-    publish(
-        &ch,
-        &src,
-        "bad",
-        BasicProperties::default().with_expiration("60000".into()),
-    )
-    .await;
+    publish(ch, &src, "rejected", props).await;
     let m = ch
         .basic_get(src.as_str().into(), Default::default())
         .await
@@ -171,12 +167,25 @@ async fn rejected_messages_are_dead_lettered_with_x_death() {
     )
     .await
     .unwrap();
-    assert_eq!(wait_count(&ch, dlq.as_str(), 1).await, 1);
+    assert_eq!(wait_count(ch, dlq.as_str(), 1).await, 1);
     let d = ch
         .basic_get(dlq.clone(), BasicGetOptions { no_ack: true })
         .await
         .unwrap()
         .unwrap();
+    (src, dlq, d)
+}
+
+#[tokio::test]
+async fn rejected_messages_are_dead_lettered_with_x_death() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let (src, dlq, d) = reject_to_dead_letter_queue(
+        &ch,
+        BasicProperties::default().with_expiration("60000".into()),
+    )
+    .await;
     let h = d.delivery.properties.headers().clone().unwrap();
     let Some(AMQPValue::FieldArray(deaths)) = h.inner().get("x-death") else {
         panic!("no x-death: {h:?}");
@@ -215,17 +224,6 @@ async fn old_style_x_death_entries_are_merged_by_queue_and_reason() {
     let server = TestServer::start().await;
     let conn = server.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let dlq = declare(&ch, &unique("dlq"), FieldTable::default()).await;
-    let src = unique("src");
-    declare(
-        &ch,
-        &src,
-        args(&[
-            ("x-dead-letter-exchange", s("")),
-            ("x-dead-letter-routing-key", s(dlq.as_str())),
-        ]),
-    )
-    .await;
     let old = |q: &str, reason: &str| {
         AMQPValue::FieldTable(args(&[
             ("queue", s(q)),
@@ -240,30 +238,8 @@ async fn old_style_x_death_entries_are_merged_by_queue_and_reason() {
         old("a", "expired"),
     ];
     let headers = args(&[("x-death", AMQPValue::FieldArray(deaths.into()))]);
-    publish(
-        &ch,
-        &src,
-        "old",
-        BasicProperties::default().with_headers(headers),
-    )
-    .await;
-    let m = ch
-        .basic_get(src.as_str().into(), Default::default())
-        .await
-        .unwrap()
-        .unwrap();
-    ch.basic_reject(
-        m.delivery.delivery_tag,
-        BasicRejectOptions { requeue: false },
-    )
-    .await
-    .unwrap();
-    assert_eq!(wait_count(&ch, dlq.as_str(), 1).await, 1);
-    let d = ch
-        .basic_get(dlq.clone(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-        .unwrap();
+    let (src, _, d) =
+        reject_to_dead_letter_queue(&ch, BasicProperties::default().with_headers(headers)).await;
     let h = d.delivery.properties.headers().clone().unwrap();
     let Some(AMQPValue::FieldArray(deaths)) = h.inner().get("x-death") else {
         panic!("no x-death: {h:?}");
