@@ -139,6 +139,19 @@ pub fn amqp_error(e: &lapin::Error) -> (u16, String) {
     }
 }
 
+/// The error of a method sent after one the broker answers only by closing the channel (an
+/// ack): the channel.close can reach lapin before it sends the method, which then fails as
+/// "channel closing" without going out; otherwise it carries the broker's code and text.
+pub fn assert_refused_after_unanswered(e: &lapin::Error, code: u16, text: &str) {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(_) => {
+            assert_eq!(amqp_error(e), (code, text.to_string()))
+        }
+        lapin::ErrorKind::InvalidChannelState(..) => {}
+        other => panic!("expected the channel closed with {code}, got {other:?}"),
+    }
+}
+
 /// Next delivery from a consumer, within [`WAIT`].
 pub async fn next_delivery(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
     tokio::time::timeout(WAIT, consumer.next())
