@@ -199,6 +199,7 @@ fn run(
 ) {
     let mut batch: Vec<Request> = Vec::new();
     let mut ops: Vec<Op> = Vec::new();
+    let mut failing = crate::log_limit::Repeats::default();
     while let Ok(first) = rx.recv() {
         batch.push(first);
         // Everything that arrived meanwhile shares this write (bounded, so one write stays
@@ -227,10 +228,23 @@ fn run(
             stats.syncs.fetch_add(1, Ordering::Relaxed);
         }
         let ok = match result {
-            Ok(()) => true,
+            Ok(()) => {
+                if let Some(unlogged) = failing.clear() {
+                    tracing::info!(unlogged, "store writes succeed again");
+                }
+                true
+            }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
-                error!(error = %e, ops = ops.len(), "store write failed");
+                if let Some(unlogged) = failing.hit(std::time::Instant::now()) {
+                    error!(
+                        error = %e,
+                        ops = ops.len(),
+                        failed_writes_not_logged = unlogged,
+                        "store write failed (repeats are logged once per {:?})",
+                        crate::log_limit::INTERVAL
+                    );
+                }
                 false
             }
         };

@@ -12,7 +12,10 @@ pub struct Config {
     pub channel_max: u16,
     pub frame_max: u32,
     pub heartbeat: u16,
-    /// Users that may log in: (name, password). RabbitMQ's default guest/guest.
+    /// Users created, as administrators, when the data folder holds no user yet (its first
+    /// start): (name, password). RabbitMQ's default guest/guest; `--default-user` and
+    /// `--default-pass` replace it (RabbitMQ's `default_user`/`default_pass`), and guest is then
+    /// not created. Later starts take the users the store holds.
     pub users: Vec<(String, String)>,
     /// Users allowed from loopback addresses only (RabbitMQ's `loopback_users`).
     pub loopback_users: Vec<String>,
@@ -33,6 +36,12 @@ pub struct Config {
     pub flow_hold: Duration,
     /// Where to serve the management HTTP API (RabbitMQ's port 15672); None: not served.
     pub management_listen: Option<SocketAddr>,
+    /// Test hook, never set from the command line: a queue.declare of this name panics inside
+    /// the broker lock, so tests can show a defect in one connection leaks nothing.
+    pub panic_on_declare: Option<String>,
+    /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
+    /// the process's file descriptor limit (`server::default_connection_max`).
+    pub connection_max: Option<usize>,
 }
 
 impl Default for Config {
@@ -52,6 +61,8 @@ impl Default for Config {
             flow_hold: Duration::from_millis(100),
             disk_free_limit: 50_000_000,
             management_listen: None,
+            panic_on_declare: None,
+            connection_max: None,
         }
     }
 }

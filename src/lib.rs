@@ -8,6 +8,7 @@ pub mod commit;
 pub mod config;
 pub mod conn;
 mod handlers;
+pub mod log_limit;
 pub mod mgmt;
 pub mod perf;
 pub mod server;

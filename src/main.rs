@@ -51,6 +51,22 @@ struct ServerArgs {
     /// Address of the management HTTP API (RabbitMQ's 15672), or "none" not to serve it.
     #[arg(long, env = "WARREN_MANAGEMENT_LISTEN", default_value = "[::]:15672")]
     management_listen: String,
+    /// The user created (an administrator, allowed from any address) on the first start of an
+    /// empty data folder, instead of guest (RabbitMQ's default_user). Needs --default-pass.
+    #[arg(long, env = "WARREN_DEFAULT_USER", requires = "default_pass")]
+    default_user: Option<String>,
+    /// Open AMQP connections allowed at once (RabbitMQ's connection_max); past it,
+    /// connection.open is refused with 530. Default: half the process's open-file limit.
+    #[arg(long, env = "WARREN_CONNECTION_MAX")]
+    connection_max: Option<usize>,
+    /// The default user's password (RabbitMQ's default_pass).
+    #[arg(
+        long,
+        env = "WARREN_DEFAULT_PASS",
+        requires = "default_user",
+        hide_env_values = true
+    )]
+    default_pass: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -90,6 +106,11 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
                 a.parse::<SocketAddr>()
                     .with_context(|| format!("--management-listen {a}"))?,
             ),
+        },
+        connection_max: args.connection_max,
+        users: match (args.default_user, args.default_pass) {
+            (Some(user), Some(pass)) => vec![(user, pass)],
+            _ => warren::Config::default().users,
         },
         ..Default::default()
     };

@@ -90,15 +90,44 @@ impl ConnInfo {
 
 /// Serve the API on `listener` until the task is dropped.
 pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
-    let app = router(shared);
-    if let Err(e) = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .await
+    // RabbitMQ answers every path with a trailing slash as without (`GET /api/connections/`;
+    // some clients list connections that way): the slash goes before routing.
+    let app = tower::ServiceBuilder::new()
+        .map_request(trim_one_trailing_slash)
+        .service(router(shared));
+    if let Err(e) =
+        axum::serve(
+            listener,
+            axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+                SocketAddr,
+            >(app),
+        )
+        .await
     {
         tracing::warn!(error = %e, "management API stopped");
     }
+}
+
+/// Drop one trailing slash from the path, as RabbitMQ's routes take one: `/api/queues/` is
+/// `/api/queues`, but `/api/overview//` keeps an empty segment and is not found (as there).
+fn trim_one_trailing_slash(mut req: axum::extract::Request) -> axum::extract::Request {
+    let uri = req.uri();
+    let path = uri.path();
+    if path.len() > 1 && path.ends_with('/') {
+        let trimmed = &path[..path.len() - 1];
+        let rebuilt = match uri.query() {
+            Some(q) => format!("{trimmed}?{q}"),
+            None => trimmed.to_string(),
+        };
+        if let Ok(pq) = rebuilt.parse::<axum::http::uri::PathAndQuery>() {
+            let mut parts = uri.clone().into_parts();
+            parts.path_and_query = Some(pq);
+            if let Ok(new) = axum::http::Uri::from_parts(parts) {
+                *req.uri_mut() = new;
+            }
+        }
+    }
+    req
 }
 
 fn router(shared: Arc<Shared>) -> Router {
@@ -141,6 +170,9 @@ fn router(shared: Arc<Shared>) -> Router {
             require_login,
         ))
         .fallback(|| async { not_found() })
+        // A defect in a handler answers 500 and leaves the server serving (without this the
+        // client got an empty reply).
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .with_state(shared)
 }
 
@@ -160,7 +192,7 @@ fn authenticate(shared: &Shared, headers: &HeaderMap, peer: SocketAddr) -> Optio
         })
         .and_then(|raw| String::from_utf8(raw).ok())?;
     let (user, pass) = credentials.split_once(':')?;
-    crate::handlers::connection::login_allowed(&shared.config, user, pass, peer.ip())
+    crate::handlers::connection::login_allowed(shared, user, pass, peer.ip())
         .then(|| user.to_string())
 }
 
@@ -582,6 +614,15 @@ async fn put_queue(
     if name.is_empty() {
         return bad_request("a queue needs a name");
     }
+    // Queue names are short strings on the wire: RabbitMQ's API refuses longer ones (its
+    // reason, newline included, says "less than" but 255 bytes is accepted). Exchange names
+    // it does not check, and neither do we.
+    if name.len() > 255 {
+        return bad_request(&format!(
+            "queue should be less than 255 bytes, actually was {}\n",
+            name.len()
+        ));
+    }
     let result = change(&shared, |b, fx| {
         if !b.has_vhost(&vhost) {
             return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
@@ -962,10 +1003,22 @@ fn pct(s: &str) -> String {
 }
 
 /// A JSON object as a field table: integers as signed 64-bit, other numbers as doubles.
+///
+/// A field table's keys are short strings (255 bytes at most). RabbitMQ accepts a longer
+/// argument key through its HTTP API (201) and keeps it; no argument Warren knows is that
+/// long, so such a key is accepted and left out, with a warning (a README deviation).
 fn json_table(m: &Map<String, Value>) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in m {
-        t.insert(k.as_str().into(), json_value(v));
+        match amq_protocol::types::ShortString::try_new(k.as_str()) {
+            Ok(key) => {
+                t.insert(key, json_value(v));
+            }
+            Err(_) => tracing::warn!(
+                bytes = k.len(),
+                "an argument key longer than 255 bytes is ignored"
+            ),
+        }
     }
     t
 }

@@ -32,6 +32,9 @@ pub struct Shared {
     pub disk_alarm: watch::Sender<bool>,
     /// Every client connection past its protocol header, by name (the management API).
     pub connections: RwLock<std::collections::BTreeMap<String, Arc<crate::mgmt::ConnInfo>>>,
+    /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
+    /// or a share of the process's descriptor limit (`default_connection_max`).
+    pub connection_max: usize,
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -77,9 +80,16 @@ impl Drop for BrokerGuard<'_> {
 impl Shared {
     /// A broker that keeps nothing across restarts.
     pub fn new(config: Config) -> Arc<Self> {
+        let mut broker = Broker::new();
+        let mut fx = Vec::new();
+        for op in default_users(&broker, &config) {
+            let _ = broker.apply(&op, &mut fx);
+        }
+        let connection_max = config_connection_max(&config);
         Arc::new(Shared {
+            connection_max,
             config,
-            broker: Mutex::new(Broker::new()),
+            broker: Mutex::new(broker),
             outboxes: RwLock::new(Default::default()),
             committer: None,
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
@@ -104,6 +114,19 @@ impl Shared {
                 .apply(op, &mut fx)
                 .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
         }
+        // The first start of a data folder (no user stored yet) creates the default users, as
+        // RabbitMQ creates default_user only on a fresh database; they are on disk before any
+        // client can log in.
+        let defaults = default_users(&broker, &config);
+        if !defaults.is_empty() {
+            warren_storage::Store::write(&store, &defaults, true)
+                .with_context(|| format!("storing the default user in {}", path.display()))?;
+            for op in &defaults {
+                broker
+                    .apply(op, &mut fx)
+                    .map_err(|e| anyhow::anyhow!("creating the default user: {e}"))?;
+            }
+        }
         // Messages stay on disk; queues read them back a window at a time.
         let messages = broker.restore(&recovered.queues);
         broker.mark_recovered();
@@ -119,7 +142,9 @@ impl Shared {
             read_failed: Default::default(),
         });
         let limit = config.disk_free_limit;
+        let connection_max = config_connection_max(&config);
         Ok(Arc::new(Shared {
+            connection_max,
             config,
             broker: Mutex::new(broker),
             outboxes: RwLock::new(Default::default()),
@@ -189,7 +214,7 @@ impl Shared {
                         outbox.method(
                             channel,
                             &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
-                                consumer_tag: consumer_tag.as_ref().into(),
+                                consumer_tag: warren_protocol::short(&consumer_tag),
                                 nowait: true,
                             })),
                         );
@@ -202,6 +227,56 @@ impl Shared {
             }
         }
     }
+}
+
+/// The connection limit in force: the configured one, else half the process's soft limit on
+/// open files (RLIMIT_NOFILE) less a reserve. The other half is for the store (its table
+/// files are capped at a quarter of the limit) and the WAL, the management API and handshakes
+/// in progress, so the process never runs out of descriptors by accepting clients (issue 12:
+/// at the file limit, persistence stopped and new clients hung in the handshake).
+fn config_connection_max(config: &Config) -> usize {
+    if let Some(n) = config.connection_max {
+        return n;
+    }
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    default_connection_max(soft)
+}
+
+/// Half the descriptor limit less 32 (at least 16; "unlimited" counts as a million).
+pub fn default_connection_max(nofile_soft: u64) -> usize {
+    let n = nofile_soft.min(1 << 20) / 2;
+    (n.saturating_sub(32)).max(16) as usize
+}
+
+impl Shared {
+    /// Sockets accepted at once: the connection limit plus room for clients still in their
+    /// handshake (which connection.open then refuses with 530 when the limit is reached).
+    pub fn socket_max(&self) -> usize {
+        self.connection_max
+            .saturating_add(self.connection_max / 8 + 8)
+    }
+}
+
+/// The ops that create `config.users` (administrators) when the broker has no user yet.
+fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
+    if broker.has_users() {
+        return Vec::new();
+    }
+    config
+        .users
+        .iter()
+        .map(|(name, pass)| {
+            let salt: [u8; 4] = rand::random();
+            info!(user = %name, "creating the default user");
+            warren_storage::Op::PutUser {
+                name: name.clone(),
+                password_hash: crate::broker::users::hash_password(pass, salt),
+                tags: vec!["administrator".into()],
+            }
+        })
+        .collect()
 }
 
 /// Bind `addr`; the unspecified IPv6 address falls back to IPv4's on a host without IPv6.
@@ -301,7 +376,13 @@ pub async fn serve(
         },
         None => None,
     };
-    info!(addr = %listener.local_addr()?, "listening for AMQP");
+    info!(
+        addr = %listener.local_addr()?,
+        connection_max = shared.connection_max,
+        "listening for AMQP"
+    );
+    let mut accept_failing = crate::log_limit::Repeats::default();
+    let mut over_limit = crate::log_limit::Repeats::default();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -311,11 +392,28 @@ pub async fn serve(
                     Ok(x) => x,
                     Err(e) => {
                         // Out of file descriptors and the like: wait a bit rather than spin.
-                        warn!(error = %e, "accept failed");
+                        if let Some(unlogged) = accept_failing.hit(std::time::Instant::now()) {
+                            warn!(error = %e, failures_not_logged = unlogged, "accept failed");
+                        }
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                         continue;
                     }
                 };
+                // Past the connection limit (and the handshakes it leaves room for), a socket is
+                // closed at once: the process keeps descriptors for the store and for clients
+                // it serves. Under that, connection.open past the limit gets RabbitMQ's 530.
+                if tracker.len() >= shared.socket_max() {
+                    if let Some(unlogged) = over_limit.hit(std::time::Instant::now()) {
+                        warn!(
+                            %peer,
+                            limit = shared.connection_max,
+                            refused_not_logged = unlogged,
+                            "connection refused: too many connections"
+                        );
+                    }
+                    drop(socket);
+                    continue;
+                }
                 let _ = socket.set_nodelay(true);
                 let shared = shared.clone();
                 let stop = stop_rx.clone();

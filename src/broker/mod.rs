@@ -15,6 +15,7 @@ pub mod exchange;
 pub mod headers;
 pub mod queue;
 pub mod topic;
+pub mod users;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -236,6 +237,8 @@ pub struct Broker {
     /// Woken when a queue that held publishers (`PublishOutcome::held`) is back under its
     /// window.
     pub drained: Arc<tokio::sync::Notify>,
+    /// Users by name (sorted: what lists them shows a stable order).
+    users: std::collections::BTreeMap<String, users::User>,
 }
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
@@ -417,6 +420,7 @@ impl Broker {
             expirable: Default::default(),
             reply_to: HashMap::new(),
             drained: Default::default(),
+            users: Default::default(),
         };
         b.add_vhost("/");
         b
@@ -616,10 +620,22 @@ impl Broker {
                         BindingDest::Exchange(x) => exchange_durable(vhost, x),
                     }
             }
-            Op::Enqueue { .. } | Op::Remove { .. } | Op::Spill { .. } | Op::RemoveRange { .. } => {
-                true
-            }
+            Op::Enqueue { .. }
+            | Op::Remove { .. }
+            | Op::Spill { .. }
+            | Op::RemoveRange { .. }
+            | Op::PutUser { .. } => true,
         }
+    }
+
+    /// A user, by name.
+    pub fn user(&self, name: &str) -> Option<&users::User> {
+        self.users.get(name)
+    }
+
+    /// Whether any user exists (a data folder that has none gets its default user).
+    pub fn has_users(&self) -> bool {
+        !self.users.is_empty()
     }
 
     /// Record `op` for the store if it changes durable state. Call before applying it.
@@ -1162,6 +1178,19 @@ impl Broker {
             }
             // Paging is local to a broker: nothing to replay.
             Op::Spill { .. } | Op::RemoveRange { .. } => {}
+            Op::PutUser {
+                name,
+                password_hash,
+                tags,
+            } => {
+                self.users.insert(
+                    name.clone(),
+                    users::User {
+                        password_hash: password_hash.clone(),
+                        tags: tags.clone(),
+                    },
+                );
+            }
         }
         Ok(())
     }

@@ -193,6 +193,8 @@ pub struct Queue {
     /// The last read of the backlog from the store failed (an I/O error): consumers wait for
     /// the broker's timer to try again (`Broker::retry_reads`).
     pub read_failed: bool,
+    /// Rate limit for the log line of a failing read-back.
+    read_errors: crate::log_limit::Repeats,
     /// Consumers in subscription order; `next` is where the round-robin resumes.
     pub consumers: Vec<QueueConsumer>,
     pub next: usize,
@@ -256,6 +258,7 @@ impl Queue {
             redeliver_upto: 0,
             lost: 0,
             read_failed: false,
+            read_errors: Default::default(),
             consumers: Vec::new(),
             next: 0,
             exclusive_consumer: None,
@@ -464,9 +467,17 @@ impl Queue {
             .store
             .read(&self.vhost, &self.name, from, to, want, READ_BYTES)
         {
-            Ok(read) => read,
+            Ok(read) => {
+                if let Some(unlogged) = self.read_errors.clear() {
+                    tracing::info!(queue = %self.name, failures_not_logged = unlogged, "reading the queue back from the store works again");
+                }
+                read
+            }
             Err(e) => {
-                tracing::error!(queue = %self.name, error = %e, "reading a queue back from the store failed; retrying");
+                // Retried every 50 ms while it fails: logged once per interval, with counts.
+                if let Some(unlogged) = self.read_errors.hit(std::time::Instant::now()) {
+                    tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading a queue back from the store failed; retrying");
+                }
                 self.read_failed = true;
                 pager.read_failed.store(true, Ordering::Relaxed);
                 return;

@@ -6,10 +6,11 @@ pub mod session;
 
 use crate::broker::DELIVERY_BUDGET;
 use crate::server::Shared;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use outbox::Outbox;
 use session::{Next, Session};
 use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,7 @@ use tokio::sync::watch;
 use tokio::time::{sleep_until, timeout, Instant};
 use tokio_util::codec::{Decoder, FramedRead};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 use warren_protocol::{FrameCodec, OutBuffer, PROTOCOL_HEADER};
 
 /// Stop reading from a client whose outgoing buffer is this large until the writer catches up
@@ -74,10 +75,73 @@ pub async fn serve(
         writer_done.clone(),
     ));
 
-    let (commit_tx, mut commit_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (commit_tx, commit_rx) = tokio::sync::mpsc::unbounded_channel();
     let mut session = Session::new(shared.clone(), outbox.clone(), peer, commit_tx);
     session.info = Some(info.clone());
     session.start();
+    // A panic anywhere in the connection's handling (a defect) must not leak what the
+    // connection holds in the broker (exclusive queues, unacked deliveries, its registry
+    // entries) nor leave its client waiting: it is caught here, logged, the client gets
+    // connection.close 541 INTERNAL_ERROR, and the same teardown as a normal close runs.
+    // The broker lock is a parking_lot mutex (no poisoning), released as the panic unwinds.
+    let ended = AssertUnwindSafe(read_loop(
+        &mut session,
+        rd,
+        &shared,
+        &outbox,
+        &info,
+        &writer_done,
+        &mut stop,
+        commit_rx,
+        handshake_deadline,
+    ))
+    .catch_unwind()
+    .await;
+    if let Err(panic) = ended {
+        error!(
+            panic = panic_text(&*panic),
+            "connection task panicked: closing it with 541 INTERNAL_ERROR"
+        );
+        session.internal_error();
+    }
+    if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(|| session.teardown())) {
+        error!(
+            panic = panic_text(&*panic),
+            "releasing a connection's broker state panicked"
+        );
+    }
+    outbox.close_after_flush();
+    // Give the writer a moment to flush a close frame; then drop everything.
+    if timeout(Duration::from_secs(2), writer).await.is_err() {
+        debug!("writer did not finish");
+    }
+}
+
+/// The text of a caught panic (a `&str` or `String` payload, as `panic!` makes them).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
+
+/// Read frames and hand them to the session until the connection ends (the caller tears the
+/// session down, also after a panic in here).
+#[allow(clippy::too_many_arguments)]
+async fn read_loop(
+    session: &mut Session,
+    rd: tokio::net::tcp::OwnedReadHalf,
+    shared: &Arc<Shared>,
+    outbox: &Arc<Outbox>,
+    info: &Arc<crate::mgmt::ConnInfo>,
+    writer_done: &CancellationToken,
+    stop: &mut watch::Receiver<bool>,
+    mut commit_rx: tokio::sync::mpsc::UnboundedReceiver<crate::commit::Done>,
+    handshake_deadline: Instant,
+) {
     let mut frames = FramedRead::new(rd, FrameCodec::new(session.frame_max()));
     // Decodes the frames already buffered (below), keeping its own memo of the last publish.
     let mut inline = FrameCodec::new(session.frame_max());
@@ -241,6 +305,11 @@ pub async fn serve(
                                         Some(Instant::now() + Duration::from_secs(wait as u64));
                                 }
                             }
+                            Next::Linger => {
+                                if closing_deadline.is_none() {
+                                    closing_deadline = Some(Instant::now() + session::LINGER);
+                                }
+                            }
                             Next::Close => break,
                         }
                     }
@@ -257,12 +326,6 @@ pub async fn serve(
                 break;
             }
         }
-    }
-    session.teardown();
-    outbox.close_after_flush();
-    // Give the writer a moment to flush a close frame; then drop everything.
-    if timeout(Duration::from_secs(2), writer).await.is_err() {
-        debug!("writer did not finish");
     }
 }
 
@@ -294,6 +357,8 @@ async fn write_loop(
     shared: Arc<Shared>,
     done: CancellationToken,
 ) {
+    // However the writer ends (also by a panic), the read loop hears of it and ends too.
+    let _done = done.drop_guard();
     let mut local = OutBuffer::new();
     let mut last_write = Instant::now();
     let mut since_refill = 0usize;
@@ -333,7 +398,6 @@ async fn write_loop(
         }
     }
     let _ = wr.shutdown().await;
-    done.cancel();
 }
 
 fn refill(shared: &Shared, outbox: &Outbox) {

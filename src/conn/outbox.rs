@@ -122,7 +122,10 @@ impl Outbox {
         let mut held = self.held.lock();
         let mut buf = self.buf.lock();
         if held.active {
-            buf.move_front(held.from, into);
+            // Never past the end (move_front asserts): a hold registered late must not panic
+            // the writer.
+            let from = held.from.min(buf.len());
+            buf.move_front(from, into);
             held.from = 0;
             self.len.store(buf.len(), Ordering::Release);
         } else {
@@ -159,6 +162,21 @@ impl Outbox {
             drop(held);
             self.wake.notify_one();
         }
+    }
+
+    /// Drop what a hold keeps back (the connection ends before its commit is reported).
+    pub(crate) fn abandon_held(&self) {
+        let mut held = self.held.lock();
+        if !held.active {
+            return;
+        }
+        let mut buf = self.buf.lock();
+        let mut front = OutBuffer::new();
+        let from = held.from.min(buf.len());
+        buf.move_front(from, &mut front);
+        *buf = front;
+        self.len.store(buf.len(), Ordering::Release);
+        *held = Hold::default();
     }
 
     pub(crate) fn is_held(&self) -> bool {

@@ -30,7 +30,14 @@ pub enum Next {
     /// that send connection.close from several threads at once read the close-ok and shut
     /// down cleanly only if the socket stays open until they do.
     Drain,
+    /// A refused handshake (a malformed SASL response, or a bad login from a client that does
+    /// not take connection.close for it): read and drop what the client sends, then close the
+    /// socket without a frame after `LINGER`, as RabbitMQ does (it also slows down guessing).
+    Linger,
 }
+
+/// How long a refused handshake lingers before the socket closes (RabbitMQ's 3 s).
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(3);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Phase {
@@ -300,10 +307,22 @@ impl Session {
                 self.channel_method(ch, method)?;
                 Ok(Next::Continue)
             }
-            Frame::Header { channel: 0, .. } | Frame::Body(0, _) => Err(AmqpError::new(
-                ReplyCode::UnexpectedFrame,
-                "content frame on channel 0",
-            )),
+            Frame::Header {
+                channel: 0,
+                class_id,
+                body_size,
+                raw_properties,
+                ..
+            } => {
+                // RabbitMQ names the frame by its type and payload (weight is always 0).
+                let mut payload = Vec::with_capacity(12 + raw_properties.len());
+                payload.extend_from_slice(&class_id.to_be_bytes());
+                payload.extend_from_slice(&[0, 0]);
+                payload.extend_from_slice(&body_size.to_be_bytes());
+                payload.extend_from_slice(&raw_properties);
+                Err(unexpected_frame(2, &payload))
+            }
+            Frame::Body(0, data) => Err(unexpected_frame(3, &data)),
             Frame::Header {
                 channel,
                 class_id,
@@ -428,6 +447,18 @@ impl Session {
             return;
         }
         let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
+        self.outbox.method(0, &e.close_method());
+        self.phase = Phase::Closing;
+    }
+
+    /// A defect (a caught panic) ends the connection: connection.close 541 INTERNAL_ERROR.
+    /// Replies held for a commit are dropped, not sent: nobody will release them now.
+    pub fn internal_error(&mut self) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.outbox.abandon_held();
+        let e = AmqpError::connection(ReplyCode::InternalError, "INTERNAL_ERROR");
         self.outbox.method(0, &e.close_method());
         self.phase = Phase::Closing;
     }
@@ -563,13 +594,7 @@ impl Session {
         raw_properties: Bytes,
     ) -> Result<(), AmqpError> {
         let max = self.shared.config.max_message_size;
-        let chan = self
-            .channels
-            .get_mut(&ch)
-            .ok_or_else(|| AmqpError::channel_error("expected 'channel.open'"))?;
-        if chan.closing {
-            return Ok(());
-        }
+        let chan = self.content_channel(ch)?;
         if body_size > max {
             chan.content.reset();
             return Err(AmqpError::precondition_failed(format!(
@@ -587,17 +612,25 @@ impl Session {
     }
 
     fn content_body(&mut self, ch: u16, data: Bytes) -> Result<(), AmqpError> {
-        let chan = self
-            .channels
-            .get_mut(&ch)
-            .ok_or_else(|| AmqpError::channel_error("expected 'channel.open'"))?;
-        if chan.closing {
-            return Ok(());
-        }
+        let chan = self.content_channel(ch)?;
         if let Some(content) = chan.content.body(data)? {
             self.publish_content(ch, content)?;
         }
         Ok(())
+    }
+
+    /// The channel a content frame arrived on. On a channel that is not open (never opened,
+    /// closed, or closed by us and waiting for the client's close-ok) RabbitMQ closes the
+    /// connection with 505, naming no method.
+    fn content_channel(&mut self, ch: u16) -> Result<&mut Chan, AmqpError> {
+        match self.channels.get_mut(&ch) {
+            Some(chan) if !chan.closing => Ok(chan),
+            _ => Err(AmqpError::new(
+                ReplyCode::UnexpectedFrame,
+                "expected method frame, got non method frame instead",
+            )
+            .on_no_method()),
+        }
     }
 
     /// Client capabilities, from start-ok's client-properties.
@@ -612,6 +645,43 @@ impl Session {
     }
 }
 
+/// RabbitMQ's 505 for a frame it cannot place: "type T, all octets = <<...>>" (or "first 16
+/// octets"), the payload written as Erlang prints a binary.
+fn unexpected_frame(frame_type: u8, payload: &[u8]) -> AmqpError {
+    let (what, shown) = if payload.len() <= 16 {
+        ("all", payload)
+    } else {
+        ("first 16", &payload[..16])
+    };
+    AmqpError::new(
+        ReplyCode::UnexpectedFrame,
+        format!(
+            "type {frame_type}, {what} octets = {}",
+            erlang_binary(shown)
+        ),
+    )
+    .on_no_method()
+}
+
+/// A binary as Erlang's `~p` prints it: `<<"text">>` when every byte is printable ASCII,
+/// else `<<1,2,3>>`.
+fn erlang_binary(bytes: &[u8]) -> String {
+    if !bytes.is_empty() && bytes.iter().all(|b| (0x20..0x7f).contains(b)) {
+        let mut s = String::from("<<\"");
+        for &b in bytes {
+            if b == b'"' || b == b'\\' {
+                s.push('\\');
+            }
+            s.push(b as char);
+        }
+        s.push_str("\">>");
+        s
+    } else {
+        let parts: Vec<String> = bytes.iter().map(|b| b.to_string()).collect();
+        format!("<<{}>>", parts.join(","))
+    }
+}
+
 /// The smallest frame_max a peer may negotiate, and the limit before it has (AMQP 0-9-1's
 /// frame-min-size).
 pub(crate) const FRAME_MIN_SIZE: u32 = 4096;
@@ -623,5 +693,18 @@ pub(crate) fn strip_cr_lf(name: &str) -> std::borrow::Cow<'_, str> {
         name.replace(['\r', '\n'], "").into()
     } else {
         name.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::erlang_binary;
+
+    #[test]
+    fn binaries_print_as_erlang_prints_them() {
+        assert_eq!(erlang_binary(b"hello"), "<<\"hello\">>");
+        assert_eq!(erlang_binary(&[0, 60, 0, 0]), "<<0,60,0,0>>");
+        assert_eq!(erlang_binary(b""), "<<>>");
+        assert_eq!(erlang_binary(b"a\"b"), "<<\"a\\\"b\">>");
     }
 }

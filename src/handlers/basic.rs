@@ -101,7 +101,7 @@ impl Session {
                 self.outbox.method(
                     ch,
                     &AMQPClass::Basic(M::ConsumeOk(basic::ConsumeOk {
-                        consumer_tag: tag.as_str().into(),
+                        consumer_tag: warren_protocol::short(&tag),
                     })),
                 );
             }
@@ -119,8 +119,8 @@ impl Session {
                     &AMQPClass::Basic(M::GetOk(basic::GetOk {
                         delivery_tag: r.delivery_tag,
                         redelivered: r.redelivered,
-                        exchange: r.msg.exchange.as_ref().into(),
-                        routing_key: r.msg.routing_key.as_ref().into(),
+                        exchange: warren_protocol::short(&r.msg.exchange),
+                        routing_key: warren_protocol::short(&r.msg.routing_key),
                         message_count: r.message_count,
                     })),
                     &r.msg,
@@ -290,8 +290,8 @@ impl Session {
                     &AMQPClass::Basic(M::Return(basic::Return {
                         reply_code: ReplyCode::NoRoute.code(),
                         reply_text: "NO_ROUTE".into(),
-                        exchange: msg.exchange.as_ref().into(),
-                        routing_key: msg.routing_key.as_ref().into(),
+                        exchange: warren_protocol::short(&msg.exchange),
+                        routing_key: warren_protocol::short(&msg.routing_key),
                     })),
                     &msg,
                 );

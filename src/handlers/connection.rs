@@ -57,15 +57,17 @@ fn server_properties() -> FieldTable {
 }
 
 /// Split a SASL response into (user, password) for PLAIN ("authzid\0user\0pass") or AMQPLAIN
-/// (a field table without its length prefix, with LOGIN and PASSWORD).
+/// (a field table without its length prefix, with LOGIN and PASSWORD). A PLAIN response with
+/// an authorization identity is refused, even the user's own name, as RabbitMQ 3.10 refuses it
+/// (it parses only "\0user\0pass"; nobody may act as another user).
 fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
     match mechanism {
         "PLAIN" => {
             let mut parts = response.split(|b| *b == 0);
-            let _authzid = parts.next()?;
+            let authzid = parts.next()?;
             let user = parts.next()?;
             let pass = parts.next()?;
-            if parts.next().is_some() {
+            if parts.next().is_some() || !authzid.is_empty() {
                 return None;
             }
             Some((
@@ -88,18 +90,29 @@ fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
     }
 }
 
-/// Whether these credentials may log in from `ip`: a known user with the right password, and
+/// Whether these credentials may log in from `ip`: a stored user with the right password, and
 /// users in `loopback_users` (guest by default) only from a loopback address, as RabbitMQ.
 pub(crate) fn login_allowed(
-    config: &crate::Config,
+    shared: &crate::Shared,
     user: &str,
     pass: &str,
     ip: std::net::IpAddr,
 ) -> bool {
-    let known = config.users.iter().any(|(u, p)| u == user && p == pass);
+    // The hash is checked outside the broker lock.
+    let hash = shared
+        .broker
+        .lock()
+        .user(user)
+        .map(|u| u.password_hash.clone());
+    hash.is_some_and(|h| crate::broker::users::password_matches(&h, pass))
+        && from_allowed_address(&shared.config, user, ip)
+}
+
+/// The `loopback_users` rule: those users only from a loopback address.
+fn from_allowed_address(config: &crate::Config, user: &str, ip: std::net::IpAddr) -> bool {
     let loopback_only = config.loopback_users.iter().any(|u| u == user);
     // An IPv4 client of a dual-stack listener arrives as ::ffff:a.b.c.d.
-    known && (!loopback_only || ip.to_canonical().is_loopback())
+    !loopback_only || ip.to_canonical().is_loopback()
 }
 
 impl Session {
@@ -170,14 +183,19 @@ impl Session {
             .on_no_method()
         };
         let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {
-            return Err(refused());
+            // RabbitMQ takes a response it cannot parse (PLAIN with an authorization identity
+            // among them) as a syntax error of the handshake: no close frame, whatever the
+            // client's capabilities.
+            info!(mechanism, peer = %self.peer, "malformed authentication response");
+            self.phase = Phase::Closed;
+            return Ok(Next::Linger);
         };
-        let config = &self.shared.config;
-        if !login_allowed(config, &user, &pass, self.peer.ip()) {
+        if !login_allowed(&self.shared, &user, &pass, self.peer.ip()) {
             info!(user, peer = %self.peer, "login refused");
             if !self.auth_failure_close {
                 // Old clients get the socket closed without a close frame, as RabbitMQ does.
-                return Ok(Next::Close);
+                self.phase = Phase::Closed;
+                return Ok(Next::Linger);
             }
             return Err(refused());
         }
@@ -190,6 +208,7 @@ impl Session {
         }
         self.user = user;
         self.phase = Phase::AwaitTuneOk;
+        let config = &self.shared.config;
         self.outbox.method(
             0,
             &AMQPClass::Connection(M::Tune(connection::Tune {
@@ -245,20 +264,27 @@ impl Session {
         let vhost = m.virtual_host.as_str().to_string();
         let outbox = self.outbox.clone();
         let shared = self.shared.clone();
+        let limit = shared.connection_max;
         let conn = core(&shared, &mut self.ctx, |b, _| {
             if !b.has_vhost(&vhost) {
-                return None;
+                return Err(format!("vhost {vhost} not found"));
+            }
+            // RabbitMQ's connection_max, checked where RabbitMQ checks it.
+            if b.connection_totals().0 >= limit {
+                return Err(format!(
+                    "connection refused: node connection limit ({limit}) is reached"
+                ));
             }
             let conn = b.connection_open(&vhost);
             shared.outboxes.write().insert(conn, Arc::clone(&outbox));
-            Some(conn)
+            Ok(conn)
         });
-        let Some(conn) = conn else {
-            return Err(AmqpError::connection(
-                ReplyCode::NotAllowed,
-                format!("vhost {vhost} not found"),
-            )
-            .on(10, 40));
+        let conn = match conn {
+            Ok(conn) => conn,
+            Err(text) => {
+                info!(%text, "connection.open refused");
+                return Err(AmqpError::connection(ReplyCode::NotAllowed, text).on(10, 40));
+            }
         };
         self.conn = conn;
         self.outbox.conn_id.store(conn, Ordering::Release);
@@ -316,10 +342,7 @@ impl Session {
                 self.phase = Phase::Closed;
                 Ok(Next::Drain)
             }
-            // A close-ok we did not ask for: the peer is done either way.
-            M::CloseOk(_) => Ok(Next::Close),
-            // Clients may tell us they are blocked (rare); nothing to do.
-            M::Blocked(_) | M::Unblocked(_) => Ok(Next::Continue),
+
             M::UpdateSecret(_) => {
                 self.outbox.method(
                     0,
@@ -327,7 +350,12 @@ impl Session {
                 );
                 Ok(Next::Continue)
             }
+            // A close-ok we did not ask for, and blocked/unblocked (which only a server sends in
+            // RabbitMQ's dialect), are unexpected too.
             m @ (M::Start(_)
+            | M::CloseOk(_)
+            | M::Blocked(_)
+            | M::Unblocked(_)
             | M::StartOk(_)
             | M::Secure(_)
             | M::SecureOk(_)
@@ -336,12 +364,13 @@ impl Session {
             | M::Open(_)
             | M::OpenOk(_)
             | M::UpdateSecretOk(_)) => {
+                // RabbitMQ answers a handshake method on an open connection as any method it
+                // does not expect there: 504 CHANNEL_ERROR.
                 let m = AMQPClass::Connection(m);
-                Err(AmqpError::command_invalid(format!(
-                    "unexpected method connection.{} on an open connection",
-                    m.get_amqp_method_id()
-                ))
-                .on_method(&m))
+                Err(
+                    AmqpError::channel_error("unexpected method in connection state running")
+                        .on_method(&m),
+                )
             }
         }
     }
@@ -349,31 +378,30 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::{credentials, login_allowed};
+    use super::{credentials, from_allowed_address};
 
     #[test]
     fn guest_only_from_loopback() {
-        let config = crate::Config {
-            users: vec![
-                ("guest".into(), "guest".into()),
-                ("app".into(), "pw".into()),
-            ],
-            ..Default::default()
-        };
+        let config = crate::Config::default();
         let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
         let lo6: std::net::IpAddr = "::1".parse().unwrap();
         let remote: std::net::IpAddr = "192.0.2.7".parse().unwrap();
-        assert!(login_allowed(&config, "guest", "guest", lo));
-        assert!(login_allowed(&config, "guest", "guest", lo6));
+        assert!(from_allowed_address(&config, "guest", lo));
+        assert!(from_allowed_address(&config, "guest", lo6));
         // 127.0.0.1 through a dual-stack ([::]) listener.
         let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
-        assert!(login_allowed(&config, "guest", "guest", mapped));
+        assert!(from_allowed_address(&config, "guest", mapped));
         let mapped_remote: std::net::IpAddr = "::ffff:10.1.2.3".parse().unwrap();
-        assert!(!login_allowed(&config, "guest", "guest", mapped_remote));
-        assert!(!login_allowed(&config, "guest", "guest", remote));
-        assert!(login_allowed(&config, "app", "pw", remote));
-        assert!(!login_allowed(&config, "app", "nope", lo));
-        assert!(!login_allowed(&config, "ghost", "guest", lo));
+        assert!(!from_allowed_address(&config, "guest", mapped_remote));
+        assert!(!from_allowed_address(&config, "guest", remote));
+        // Any other user (a default user among them) from anywhere.
+        assert!(from_allowed_address(&config, "app", remote));
+        assert!(from_allowed_address(&config, "app", mapped_remote));
+        let open = crate::Config {
+            loopback_users: vec![],
+            ..Default::default()
+        };
+        assert!(from_allowed_address(&open, "guest", remote));
     }
 
     #[test]
@@ -383,6 +411,9 @@ mod tests {
             Some(("guest".into(), "guest".into()))
         );
         assert_eq!(credentials("PLAIN", b"guest"), None);
+        // An authorization identity, even the user's own, is refused (as RabbitMQ 3.10).
+        assert_eq!(credentials("PLAIN", b"guest\0guest\0guest"), None);
+        assert_eq!(credentials("PLAIN", b"admin\0guest\0guest"), None);
         let amqplain = b"\x05LOGINS\x00\x00\x00\x05guest\x08PASSWORDS\x00\x00\x00\x05guest";
         assert_eq!(
             credentials("AMQPLAIN", amqplain),

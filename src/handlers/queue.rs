@@ -96,13 +96,19 @@ impl Session {
             arguments: d.arguments,
         };
         let conn = self.conn;
+        let panic_on = self.shared.config.panic_on_declare.as_deref();
         let info = core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+            // Test hook (off unless a test sets it): a defect that panics with the broker lock
+            // held, to show the connection task recovers from it (conn::serve).
+            if panic_on == Some(decl.name.as_str()) {
+                panic!("injected panic declaring {}", decl.name);
+            }
             let info = b.queue_declare(conn, &self.vhost, decl, fx)?;
             if !d.nowait {
                 self.outbox.method(
                     ch,
                     &AMQPClass::Queue(M::DeclareOk(queue::DeclareOk {
-                        queue: info.name.as_str().into(),
+                        queue: warren_protocol::short(&info.name),
                         message_count: info.message_count,
                         consumer_count: info.consumer_count,
                     })),

@@ -112,6 +112,48 @@ impl QueueRecord {
     }
 }
 
+/// A user: RabbitMQ's password hash (base64 of a 4-byte salt and the SHA-256 of salt and
+/// password, `rabbit_password_hashing_sha256`) and tags.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserRecord {
+    pub password_hash: String,
+    pub tags: Vec<String>,
+}
+
+impl UserRecord {
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(VERSION);
+        put_str(&mut b, self.password_hash.as_bytes());
+        b.put_u32(self.tags.len() as u32);
+        for t in &self.tags {
+            put_str(&mut b, t.as_bytes());
+        }
+        b.freeze()
+    }
+
+    pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
+        check_version(&mut b)?;
+        let password_hash = get_string(&mut b)?;
+        if b.remaining() < 4 {
+            return Err(DecodeError("truncated tags"));
+        }
+        let n = b.get_u32() as usize;
+        // Each tag takes at least its 4-byte length: a count past that is damage, not a size
+        // to allocate for.
+        if n > b.remaining() / 4 {
+            return Err(DecodeError("bad tag count"));
+        }
+        let tags = (0..n)
+            .map(|_| get_string(&mut b))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(UserRecord {
+            password_hash,
+            tags,
+        })
+    }
+}
+
 /// A binding, encoded whole as a key (its value is empty).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BindingKey {
@@ -126,6 +168,8 @@ pub struct BindingKey {
 pub const EXCHANGE_PREFIX: u8 = b'X';
 pub const QUEUE_PREFIX: u8 = b'Q';
 pub const BINDING_PREFIX: u8 = b'B';
+/// Users: `U` + an empty vhost + the user name (users are not per vhost).
+pub const USER_PREFIX: u8 = b'U';
 
 /// `X`/`Q` + vhost + name.
 pub fn entity_key(prefix: u8, vhost: &str, name: &str) -> Bytes {
@@ -319,6 +363,21 @@ impl MessageRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_record_golden_bytes() {
+        let u = UserRecord {
+            password_hash: "h=".into(),
+            tags: vec!["administrator".into()],
+        };
+        let mut expected = vec![1, 0, 0, 0, 2, b'h', b'=', 0, 0, 0, 1, 0, 0, 0, 13];
+        expected.extend_from_slice(b"administrator");
+        assert_eq!(&u.encode()[..], &expected[..]);
+        assert_eq!(UserRecord::decode(u.encode()), Ok(u));
+        // A damaged tag count is refused, not allocated for.
+        let bad = Bytes::from_static(&[1, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]);
+        assert!(UserRecord::decode(bad).is_err());
+    }
 
     #[test]
     fn golden_bytes() {

@@ -1,7 +1,7 @@
 //! A store in memory: the reference the RocksDB store is checked against, and the store of a
 //! broker that keeps nothing across restarts.
 
-use crate::codec::{BindingKey, ExchangeRecord, MessageRecord, QueueRecord};
+use crate::codec::{BindingKey, ExchangeRecord, MessageRecord, QueueRecord, UserRecord};
 use crate::op::{BindingDest, Op};
 use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,6 +12,7 @@ struct State {
     exchanges: BTreeMap<(String, String), ExchangeRecord>,
     queues: BTreeMap<(String, String), QueueRecord>,
     bindings: BTreeSet<BindingKey>,
+    users: BTreeMap<String, UserRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
 }
@@ -173,6 +174,19 @@ impl Store for MemStore {
                         m.clear();
                     }
                 }
+                Op::PutUser {
+                    name,
+                    password_hash,
+                    tags,
+                } => {
+                    s.users.insert(
+                        name.clone(),
+                        UserRecord {
+                            password_hash: password_hash.clone(),
+                            tags: tags.clone(),
+                        },
+                    );
+                }
             }
         }
         Ok(())
@@ -184,6 +198,9 @@ impl Store for MemStore {
             .lock()
             .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
         let mut ops = Vec::new();
+        for (name, u) in &s.users {
+            ops.push(crate::op::put_user(name, u));
+        }
         for ((vhost, name), x) in &s.exchanges {
             ops.push(crate::op::declare_exchange(vhost, name, x));
         }

@@ -110,6 +110,13 @@ pub enum Op {
         from: u64,
         to: u64,
     },
+    /// Create a user or replace its password hash and tags (users are not per vhost).
+    PutUser {
+        name: String,
+        /// RabbitMQ's `password_hash` (base64 of salt and SHA-256, see `codec::UserRecord`).
+        password_hash: String,
+        tags: Vec<String>,
+    },
 }
 
 impl Op {
@@ -127,6 +134,8 @@ impl Op {
             | Op::Purge { vhost, .. }
             | Op::Spill { vhost, .. }
             | Op::RemoveRange { vhost, .. } => vhost,
+            // Users belong to no vhost.
+            Op::PutUser { .. } => "",
         }
     }
 }
@@ -222,6 +231,15 @@ struct MessageRef<'a> {
 }
 
 // Ops rebuilt from stored records (recovery).
+
+/// The op that recreates a stored user.
+pub(crate) fn put_user(name: &str, u: &crate::codec::UserRecord) -> Op {
+    Op::PutUser {
+        name: name.to_string(),
+        password_hash: u.password_hash.clone(),
+        tags: u.tags.clone(),
+    }
+}
 
 pub(crate) fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::ExchangeRecord) -> Op {
     Op::DeclareExchange {

@@ -33,7 +33,8 @@
 
 use crate::codec::{
     decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
-    QueueRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX, SHARED_TAG,
+    QueueRecord, UserRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX, SHARED_TAG,
+    USER_PREFIX,
 };
 use crate::op::{BindingDest, Op};
 use crate::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -686,6 +687,18 @@ impl RocksStore {
                         batch.put_cf(&messages, k, &value_buf);
                     }
                 }
+                Op::PutUser {
+                    name,
+                    password_hash,
+                    tags,
+                } => {
+                    let rec = UserRecord {
+                        password_hash: password_hash.clone(),
+                        tags: tags.clone(),
+                    };
+                    b.logged(self)?
+                        .put_cf(&meta, entity_key(USER_PREFIX, "", name), rec.encode());
+                }
             }
         }
         b.finish(self, sync)
@@ -693,6 +706,10 @@ impl RocksStore {
 
     fn recover_all(&self) -> Result<Recovered, StoreError> {
         let mut ops = Vec::new();
+        for (_, _, name, v) in self.meta_entities(USER_PREFIX)? {
+            let u = UserRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(crate::op::put_user(&name, &u));
+        }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(crate::op::declare_exchange(&vhost, &name, &x));

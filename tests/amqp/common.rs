@@ -60,9 +60,14 @@ impl TestServer {
     }
 
     /// Stop gracefully and start again on the same data folder (new port).
-    pub async fn restart(mut self) -> Self {
-        self.stop().await;
+    pub async fn restart(self) -> Self {
         let config = self.shared.config.clone();
+        self.restart_with(config).await
+    }
+
+    /// Restart on the same data folder with other settings.
+    pub async fn restart_with(mut self, config: Config) -> Self {
+        self.stop().await;
         let TestServer {
             data_dir, shared, ..
         } = self;
@@ -383,6 +388,15 @@ pub struct Binary {
 }
 
 pub async fn spawn_binary(data: &std::path::Path, extra: &[&str]) -> Binary {
+    spawn_binary_env(data, extra, &[]).await
+}
+
+/// Like [`spawn_binary`], with extra environment variables.
+pub async fn spawn_binary_env(
+    data: &std::path::Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Binary {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -399,6 +413,7 @@ pub async fn spawn_binary(data: &std::path::Path, extra: &[&str]) -> Binary {
         .arg("--data-dir")
         .arg(data)
         .env("WARREN_LOG", "error")
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
         .spawn()

@@ -380,21 +380,9 @@ async fn shutdown_closes_connections_with_320() {
 }
 
 #[tokio::test]
-async fn connection_blocked_and_update_secret_from_a_client_are_understood() {
+async fn update_secret_from_a_client_is_answered() {
     let server = TestServer::start().await;
     let mut raw = Raw::handshake(server.addr).await;
-    raw.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::Blocked(connection::Blocked {
-            reason: "low memory".into(),
-        })),
-    )
-    .await;
-    raw.send(
-        0,
-        AMQPClass::Connection(connection::AMQPMethod::Unblocked(connection::Unblocked {})),
-    )
-    .await;
     raw.send(
         0,
         AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(
@@ -413,6 +401,55 @@ async fn connection_blocked_and_update_secret_from_a_client_are_understood() {
         ))
     ));
     raw.open_channel(1).await;
+}
+
+/// Issue 12: methods only a server sends (and blocked/unblocked, and a close-ok nobody asked
+/// for) on an open connection are 504 CHANNEL_ERROR naming the method, as RabbitMQ 3.10
+/// answers them (Warren answered 503 before).
+#[tokio::test]
+async fn server_side_connection_methods_from_a_client_are_504() {
+    let server = TestServer::start().await;
+    let methods = [
+        (
+            connection::AMQPMethod::Blocked(connection::Blocked {
+                reason: "low memory".into(),
+            }),
+            60,
+        ),
+        (
+            connection::AMQPMethod::Unblocked(connection::Unblocked {}),
+            61,
+        ),
+        (connection::AMQPMethod::CloseOk(connection::CloseOk {}), 51),
+        (
+            connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: 0,
+                frame_max: 131072,
+                heartbeat: 0,
+            }),
+            30,
+        ),
+        (connection::AMQPMethod::OpenOk(connection::OpenOk {}), 41),
+    ];
+    for (method, id) in methods {
+        let mut raw = Raw::handshake(server.addr).await;
+        raw.send(0, AMQPClass::Connection(method)).await;
+        let close = raw.expect_connection_close().await;
+        assert_eq!(
+            (
+                close.reply_code,
+                close.reply_text.as_str(),
+                close.class_id,
+                close.method_id
+            ),
+            (
+                504,
+                "CHANNEL_ERROR - unexpected method in connection state running",
+                10,
+                id
+            )
+        );
+    }
 }
 
 /// Large bodies are kept as the publisher's frames (not concatenated) and written from that

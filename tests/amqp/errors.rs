@@ -390,3 +390,94 @@ async fn a_client_that_stops_reading_does_not_hurt_others() {
         }
     }
 }
+
+/// Issue 12: a content frame on a channel that is not open (never opened, closed, or closed by
+/// the broker and waiting for the client's close-ok) closes the connection with 505, naming no
+/// method, as RabbitMQ 3.10 does (Warren answered 504 before).
+#[tokio::test]
+async fn content_frames_on_a_channel_that_is_not_open_are_505() {
+    let server = TestServer::start().await;
+    let bystander = Bystander::new(&server).await;
+    for state in ["never-opened", "closed", "closing"] {
+        for header in [true, false] {
+            let mut raw = Raw::handshake(server.addr).await;
+            match state {
+                "closed" => {
+                    raw.open_channel(5).await;
+                    raw.send(
+                        5,
+                        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                            reply_code: 200,
+                            reply_text: "bye".into(),
+                            class_id: 0,
+                            method_id: 0,
+                        })),
+                    )
+                    .await;
+                    assert!(matches!(
+                        raw.recv_method().await,
+                        Some((5, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))))
+                    ));
+                }
+                "closing" => {
+                    raw.open_channel(5).await;
+                    raw.send(
+                        5,
+                        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                            queue: "missing-queue".into(),
+                            passive: true,
+                            ..Default::default()
+                        })),
+                    )
+                    .await;
+                    assert_eq!(raw.expect_channel_close(5).await.reply_code, 404);
+                }
+                _ => {}
+            }
+            let mut out = OutBuffer::new();
+            if header {
+                out.content_slice(5, &[0, 0], b"", 131072);
+            } else {
+                out.content_slice(5, &[0, 0], b"hello", 131072);
+            }
+            let bytes = out.to_vec();
+            // The body-only case sends just the body frame (after the header's 7+12+2+1 bytes).
+            let frames = if header { &bytes[..] } else { &bytes[22..] };
+            raw.send_bytes(frames).await;
+            let close = expect_hard(&mut raw, 505).await;
+            assert_eq!(
+                (close.reply_text.as_str(), close.class_id, close.method_id),
+                (
+                    "UNEXPECTED_FRAME - expected method frame, got non method frame instead",
+                    0,
+                    0
+                ),
+                "{state} header={header}"
+            );
+        }
+    }
+    bystander.still_fine().await;
+}
+
+/// Issue 12: content frames on channel 0 are named as RabbitMQ names them.
+#[tokio::test]
+async fn content_frames_on_channel_zero_are_505_with_their_octets() {
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    let mut out = OutBuffer::new();
+    out.content_slice(0, &[0, 0], b"hello", 131072);
+    let bytes = out.to_vec();
+    raw.send_bytes(&bytes[22..]).await;
+    let close = expect_hard(&mut raw, 505).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "UNEXPECTED_FRAME - type 3, all octets = <<\"hello\">>"
+    );
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.send_bytes(&bytes[..22]).await;
+    let close = expect_hard(&mut raw, 505).await;
+    assert_eq!(
+        close.reply_text.as_str(),
+        "UNEXPECTED_FRAME - type 2, all octets = <<0,60,0,0,0,0,0,0,0,0,0,5,0,0>>"
+    );
+}

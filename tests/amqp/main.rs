@@ -14,6 +14,7 @@ mod durability;
 mod errors;
 mod exchange;
 mod extensions;
+mod hardening;
 mod paging;
 mod perf;
 mod queue;
