@@ -42,6 +42,9 @@ pub struct Config {
     /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
     /// the process's file descriptor limit (`server::default_connection_max`).
     pub connection_max: Option<usize>,
+    /// Block publishers while the process's resident memory is above this (RabbitMQ's
+    /// vm_memory_high_watermark: 0.4 of the machine's memory by default).
+    pub vm_memory_high_watermark: crate::memory::Watermark,
 }
 
 impl Default for Config {
@@ -63,6 +66,7 @@ impl Default for Config {
             management_listen: None,
             panic_on_declare: None,
             connection_max: None,
+            vm_memory_high_watermark: Default::default(),
         }
     }
 }

@@ -9,6 +9,7 @@ pub mod config;
 pub mod conn;
 mod handlers;
 pub mod log_limit;
+pub mod memory;
 pub mod mgmt;
 pub mod perf;
 pub mod server;

@@ -30,6 +30,9 @@ pub struct Shared {
     /// The disk alarm: true while free space is below the limit. Publishing connections wait
     /// on it (connection.blocked).
     pub disk_alarm: watch::Sender<bool>,
+    /// The memory alarm: true while resident memory is above the high watermark. Publishing
+    /// connections wait on it as on the disk alarm.
+    pub memory_alarm: watch::Sender<bool>,
     /// Every client connection past its protocol header, by name (the management API).
     pub connections: RwLock<std::collections::BTreeMap<String, Arc<crate::mgmt::ConnInfo>>>,
     /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
@@ -94,6 +97,7 @@ impl Shared {
             committer: None,
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
+            memory_alarm: watch::channel(false).0,
             connections: Default::default(),
         })
     }
@@ -151,6 +155,7 @@ impl Shared {
             committer: Some(committer),
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
+            memory_alarm: watch::channel(false).0,
             connections: Default::default(),
         }))
     }
@@ -339,6 +344,36 @@ pub async fn serve(
             }
         }
     });
+    // The memory alarm: memory is read every 100 ms (an atomic counter in the binary), so a
+    // flood of publishes overshoots the watermark by at most what arrives in that time.
+    let memory_monitor = tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            let total = crate::memory::total_memory().unwrap_or(u64::MAX);
+            let limit = shared.config.vm_memory_high_watermark.bytes(total);
+            info!(limit, total, "memory high watermark");
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(used) = crate::memory::used() else {
+                    continue;
+                };
+                let high = used > limit;
+                if *shared.memory_alarm.borrow() != high {
+                    if high {
+                        warn!(
+                            used,
+                            limit, "memory alarm: above the high watermark, blocking publishers"
+                        );
+                    } else {
+                        info!(used, limit, "memory alarm cleared");
+                    }
+                    shared.memory_alarm.send_replace(high);
+                }
+            }
+        }
+    });
     // Expired messages leave their queues even when nobody consumes (RabbitMQ removes them at
     // the head); a tick is cheap when no queue holds expiring messages.
     let ticker = tokio::spawn({
@@ -426,6 +461,7 @@ pub async fn serve(
     info!("shutting down: closing connections");
     ticker.abort();
     disk_monitor.abort();
+    memory_monitor.abort();
     if let Some(m) = management {
         m.abort();
     }

@@ -161,6 +161,14 @@ impl ContentAssembler {
         Ok(None)
     }
 
+    /// Body bytes received so far for the content being assembled (0 when none is).
+    pub fn received(&self) -> u64 {
+        match &self.state {
+            State::AwaitingBody { have, .. } => *have,
+            _ => 0,
+        }
+    }
+
     pub fn body(&mut self, data: Bytes) -> Result<Option<Content>, AmqpError> {
         let State::AwaitingBody {
             expected,

@@ -146,6 +146,7 @@ async fn read_loop(
     // Decodes the frames already buffered (below), keeping its own memo of the last publish.
     let mut inline = FrameCodec::new(session.frame_max());
     let mut disk_alarm = shared.disk_alarm.subscribe();
+    let mut memory_alarm = shared.memory_alarm.subscribe();
     // Woken when a queue that held a publisher drains (flow control, below).
     let drained = shared.broker.lock().drained.clone();
     let mut last_recv = Instant::now();
@@ -155,13 +156,23 @@ async fn read_loop(
     loop {
         // Disk alarm: a connection that publishes stops being read (TCP back-pressure) until
         // the alarm clears; clients that understand it are told with connection.blocked.
-        if session.published && *disk_alarm.borrow() && session.is_open() {
+        if session.published && alarmed(&disk_alarm, &memory_alarm) && session.is_open() {
             session.published = false;
-            session.send_blocked(true);
+            let reason = if *memory_alarm.borrow() {
+                "low on memory"
+            } else {
+                "low on disk"
+            };
+            session.send_blocked(Some(reason));
             loop {
                 tokio::select! {
                     changed = disk_alarm.changed() => {
-                        if changed.is_err() || !*disk_alarm.borrow() {
+                        if changed.is_err() || !alarmed(&disk_alarm, &memory_alarm) {
+                            break;
+                        }
+                    }
+                    changed = memory_alarm.changed() => {
+                        if changed.is_err() || !alarmed(&disk_alarm, &memory_alarm) {
                             break;
                         }
                     }
@@ -169,7 +180,7 @@ async fn read_loop(
                     _ = stop.changed() => break,
                 }
             }
-            session.send_blocked(false);
+            session.send_blocked(None);
             continue;
         }
         session.published = false;
@@ -267,7 +278,7 @@ async fn read_loop(
                             if outbox.len() > OUTBOX_HIGH_WATER
                                 || session.throttle.is_some()
                                 || !session.hold.is_empty()
-                                || (session.published && *disk_alarm.borrow())
+                                || (session.published && alarmed(&disk_alarm, &memory_alarm))
                             {
                                 break;
                             }
@@ -327,6 +338,11 @@ async fn read_loop(
             }
         }
     }
+}
+
+/// Whether a resource alarm (disk or memory) is raised: publishers wait while one is.
+fn alarmed(disk: &watch::Receiver<bool>, memory: &watch::Receiver<bool>) -> bool {
+    *disk.borrow() || *memory.borrow()
 }
 
 /// Takes a connection off the management API's list when its task ends, however it ends.

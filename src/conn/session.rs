@@ -150,6 +150,9 @@ pub struct Session {
     pub(crate) blocked_capability: bool,
     /// What the management API shows of this connection.
     pub(crate) info: Option<Arc<crate::mgmt::ConnInfo>>,
+    /// Body bytes received for contents not yet complete, across channels (an upper bound;
+    /// see `check_unfinished`).
+    pub(crate) unfinished: u64,
 }
 
 /// Run `f` on the broker core with the lock held, then carry out its effects before releasing
@@ -230,6 +233,7 @@ impl Session {
             throttle: None,
             hold: Default::default(),
             blocked_capability: false,
+            unfinished: 0,
         }
     }
 
@@ -612,9 +616,40 @@ impl Session {
     }
 
     fn content_body(&mut self, ch: u16, data: Bytes) -> Result<(), AmqpError> {
+        let limit = self.shared.config.max_message_size;
+        let len = data.len() as u64;
         let chan = self.content_channel(ch)?;
-        if let Some(content) = chan.content.body(data)? {
-            self.publish_content(ch, content)?;
+        let before = chan.content.received();
+        match chan.content.body(data)? {
+            Some(content) => {
+                self.unfinished = self.unfinished.saturating_sub(before);
+                self.publish_content(ch, content)?;
+            }
+            None => {
+                self.unfinished += len;
+                if self.unfinished > limit {
+                    self.check_unfinished(limit)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// What a connection holds of unfinished message bodies is bounded by the largest message
+    /// it may publish (`max_message_size`): without a bound, a client declaring 100 MiB bodies
+    /// on each of 2,047 channels and sending part of each held up to 200 GiB. `unfinished`
+    /// counts up on partial bodies and down on completed ones; contents dropped by a channel
+    /// close are not subtracted, so past the limit the exact sum is taken before refusing.
+    fn check_unfinished(&mut self, limit: u64) -> Result<(), AmqpError> {
+        self.unfinished = self.channels.values().map(|c| c.content.received()).sum();
+        if self.unfinished > limit {
+            return Err(AmqpError::connection(
+                ReplyCode::NotAllowed,
+                format!(
+                    "unfinished message bodies on this connection exceed {limit} bytes (max_message_size)"
+                ),
+            )
+            .on_no_method());
         }
         Ok(())
     }

@@ -302,14 +302,15 @@ impl Session {
         Ok(Next::Continue)
     }
 
-    /// connection.blocked (low on disk) or connection.unblocked, to clients that take them.
-    pub(crate) fn send_blocked(&mut self, blocked: bool) {
+    /// connection.blocked ("low on memory" or "low on disk", RabbitMQ's reasons) or
+    /// connection.unblocked (None), to clients that take them.
+    pub(crate) fn send_blocked(&mut self, reason: Option<&str>) {
         if !self.blocked_capability {
             return;
         }
-        let m = if blocked {
+        let m = if let Some(reason) = reason {
             M::Blocked(connection::Blocked {
-                reason: "low on disk".into(),
+                reason: reason.into(),
             })
         } else {
             M::Unblocked(connection::Unblocked {})

@@ -2,10 +2,12 @@
 //! the test that failed before its fix.
 
 use crate::common::*;
+use futures::StreamExt;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use std::time::Duration;
+use tokio::io::AsyncWriteExt;
 use warren::Config;
 
 async fn durable_queue(ch: &lapin::Channel, name: &str, args: FieldTable) {
@@ -293,7 +295,7 @@ async fn the_default_user_comes_from_flags_or_environment() {
     for by_env in [false, true] {
         let data = tempfile::tempdir().unwrap();
         let flags = ["--default-user", "alice", "--default-pass", "s3cret"];
-        let mut b = if by_env {
+        let b = Killed(if by_env {
             spawn_binary_env(
                 data.path(),
                 &[],
@@ -305,7 +307,8 @@ async fn the_default_user_comes_from_flags_or_environment() {
             .await
         } else {
             spawn_binary(data.path(), &flags).await
-        };
+        });
+        let b = &b.0;
         let addr: std::net::SocketAddr = b
             .url
             .trim_start_matches("amqp://guest:guest@")
@@ -314,8 +317,6 @@ async fn the_default_user_comes_from_flags_or_environment() {
             .unwrap();
         assert_eq!(can_log_in(addr, "alice", "s3cret").await, None, "{by_env}");
         assert_eq!(can_log_in(addr, "guest", "guest").await, Some(403));
-        let _ = b.child.kill();
-        let _ = b.child.wait();
     }
 }
 
@@ -425,4 +426,226 @@ async fn plain_with_an_authorization_identity_is_refused_without_a_frame() {
         raw.expect_eof().await;
         assert!(t0.elapsed() >= Duration::from_millis(2500), "{response:?}");
     }
+}
+
+/// Resident memory of a process, from /proc.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Point 5: with a memory high watermark, a publisher whose messages pile up unacknowledged
+/// at a consumer is blocked (connection.blocked "low on memory") before the broker passes the
+/// watermark by more than a margin; other clients carry on meanwhile (a consumer keeps
+/// receiving, a new client declares and gets); once the consumer acknowledges, memory comes
+/// down, the publisher is unblocked and its publishes go through.
+#[tokio::test]
+async fn the_memory_watermark_blocks_publishers_and_others_carry_on() {
+    const WATERMARK: u64 = 160 << 20;
+    const MARGIN: u64 = 64 << 20;
+    let data = tempfile::tempdir().unwrap();
+    let b = Killed(
+        spawn_binary(
+            data.path(),
+            &["--vm-memory-high-watermark", &WATERMARK.to_string()],
+        )
+        .await,
+    );
+    let b = &b.0;
+    let pid = b.child.id();
+    let base = rss_of(pid);
+    assert!(base < WATERMARK, "the broker starts at {base} bytes");
+    let connect = || async {
+        tokio::time::timeout(
+            WAIT,
+            lapin::Connection::connect(&b.url, lapin::ConnectionProperties::default()),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    let consumer_conn = connect().await;
+    let cch = consumer_conn.create_channel().await.unwrap();
+    let q = unique("mem");
+    cch.queue_declare(q.as_str().into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let mut consumer = cch
+        .basic_consume(
+            q.as_str().into(),
+            "".into(),
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let publisher = connect().await;
+    let pch = publisher.create_channel().await.unwrap();
+    let body = vec![7u8; 64 * 1024];
+    // Publish until blocked (bounded: 8,000 x 64 KiB is 500 MiB, far past the watermark).
+    let mut published = 0u32;
+    let mut peak = 0u64;
+    let mut received = 0u64;
+    let mut last_tag = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while !publisher.status().blocked() && published < 8_000 {
+        assert!(tokio::time::Instant::now() < deadline, "never blocked");
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            pch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                Default::default(),
+                &body,
+                Default::default(),
+            ),
+        )
+        .await;
+        published += 1;
+        // The consumer takes deliveries (without acknowledging them).
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_millis(0), consumer.next()).await
+        {
+            received += 1;
+            last_tag = d.delivery_tag;
+        }
+        peak = peak.max(rss_of(pid));
+    }
+    assert!(
+        publisher.status().blocked(),
+        "published {published} without a block"
+    );
+    // Blocked: the broker stays under the watermark plus a margin for a while.
+    for _ in 0..20 {
+        peak = peak.max(rss_of(pid));
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_millis(50), consumer.next()).await
+        {
+            received += 1;
+            last_tag = d.delivery_tag;
+        }
+    }
+    // The watermark counts the broker's heap; its resident set also holds what it started
+    // with (code, the store's caches).
+    assert!(
+        peak < base + WATERMARK + MARGIN,
+        "peak {peak} past the start {base} + the watermark {WATERMARK} + {MARGIN}"
+    );
+    assert!(received > 0);
+    // Another client carries on: it declares, publishes nothing, gets.
+    let other = connect().await;
+    let och = other.create_channel().await.unwrap();
+    let q2 = unique("other");
+    och.queue_declare(
+        q2.as_str().into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    assert!(och
+        .basic_get(q2.as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .is_none());
+    // The consumer acknowledges what it holds: memory goes down, the publisher is unblocked.
+    cch.basic_ack(last_tag, BasicAckOptions { multiple: true })
+        .await
+        .unwrap();
+    let unblock_deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while publisher.status().blocked() {
+        assert!(
+            tokio::time::Instant::now() < unblock_deadline,
+            "still blocked at {} bytes",
+            rss_of(pid)
+        );
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_millis(50), consumer.next()).await
+        {
+            d.ack(Default::default()).await.unwrap();
+        }
+    }
+}
+
+/// A spawned broker, killed when the test ends, also by a failed assertion (a broker left
+/// running would hold its data folder and port).
+struct Killed(Binary);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.child.kill();
+        let _ = self.0.child.wait();
+    }
+}
+
+/// Point 5: unfinished message bodies a connection holds are bounded by max_message_size
+/// across its channels: several partial bodies past it close the connection (530), while a
+/// client publishing whole messages, one after another, is never refused and others carry on.
+#[tokio::test]
+async fn unfinished_bodies_on_a_connection_are_bounded() {
+    use amq_protocol::protocol::{basic, AMQPClass};
+    const MAX: u64 = 1 << 20;
+    let server = TestServer::start_with(Config {
+        max_message_size: MAX,
+        ..Default::default()
+    })
+    .await;
+    let bystander = server.connect().await;
+    let bch = bystander.create_channel().await.unwrap();
+    // Whole messages of nearly the maximum, one after another, are fine.
+    let q = unique("whole");
+    bch.queue_declare(q.as_str().into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        publish_confirmed(&bch, "", &q, &vec![1u8; MAX as usize - 10]).await;
+    }
+
+    let mut raw = Raw::handshake(server.addr).await;
+    let publish = || {
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            routing_key: "nowhere".into(),
+            ..Default::default()
+        }))
+    };
+    // Three channels each start a 1 MiB message and send 600 KiB of it.
+    let chunk = vec![9u8; 100 * 1024];
+    for ch in 1..=3u16 {
+        raw.open_channel(ch).await;
+        raw.send(ch, publish()).await;
+        let mut out = warren_protocol::OutBuffer::new();
+        // The header frame only (its body of MAX bytes follows in parts below).
+        out.content_slice(ch, &[0, 0], &vec![0u8; MAX as usize], 131072);
+        let header = out.to_vec();
+        raw.send_bytes(&header[..22]).await;
+    }
+    let mut closed = None;
+    'send: for ch in 1..=3u16 {
+        for _ in 0..6 {
+            let mut frame = vec![3u8];
+            frame.extend_from_slice(&ch.to_be_bytes());
+            frame.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
+            frame.extend_from_slice(&chunk);
+            frame.push(206);
+            if raw.stream.write_all(&frame).await.is_err() {
+                break 'send;
+            }
+        }
+        if ch == 2 {
+            closed = Some(raw.expect_connection_close().await);
+            break;
+        }
+    }
+    let close = closed.expect("a connection.close");
+    assert_eq!((close.reply_code, close.class_id), (530, 0), "{close:?}");
+    assert!(
+        close.reply_text.as_str().contains("unfinished"),
+        "{close:?}"
+    );
+    // The bystander carries on.
+    publish_confirmed(&bch, "", &q, b"still here").await;
 }
