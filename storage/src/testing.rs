@@ -86,6 +86,35 @@ pub fn conformance(open: &dyn Fn() -> Box<dyn Store>) {
     definitions_survive(open);
     messages_survive_in_order(open);
     levels_spills_and_ranges(open);
+    users_survive(open);
+}
+
+/// Users come back first (before any definition), the latest `PutUser` of a name winning.
+fn users_survive(open: &dyn Fn() -> Box<dyn Store>) {
+    let user = |name: &str, hash: &str| Op::PutUser {
+        name: name.into(),
+        password_hash: hash.into(),
+        tags: vec!["administrator".into()],
+    };
+    let s = open();
+    s.write(
+        &[user("alice", "h1"), queue("uq"), user("alice", "h2")],
+        true,
+    )
+    .unwrap();
+    s.write(&[user("bob", "h3")], true).unwrap();
+    drop(s);
+    let ops = open().recover().unwrap().ops;
+    // In no particular order (the stores keep their own).
+    let mut users: Vec<String> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::PutUser { .. }))
+        .map(|op| format!("{op:?}"))
+        .collect();
+    users.sort();
+    let expected = [user("alice", "h2"), user("bob", "h3")].map(|op| format!("{op:?}"));
+    assert_eq!(users, expected);
+    assert!(matches!(ops.first(), Some(Op::PutUser { .. })));
 }
 
 fn definitions_survive(open: &dyn Fn() -> Box<dyn Store>) {
