@@ -13,7 +13,9 @@ import pytest
 
 import amqp_raw
 from amqp_raw import CONNECTION_CLOSE, CONNECTION_TUNE, method_of
-from helpers import PASSWORD, USER, WARREN, expect_channel_error, get, raw_connection, unique
+from helpers import (
+    PASSWORD, USER, WARREN, expect_channel_error, get, raw_connection, unique, warren_deviation,
+)
 from test_management import api, put_json, q
 
 LONG = 300  # more than a shortstr (255 bytes) can carry
@@ -264,7 +266,11 @@ def _prepare(c, state):
         c.read_method(amqp_raw.CHANNEL_CLOSE, channel=5)
 
 
-@pytest.mark.parametrize("state", ["never-opened", "opened-then-closed", "closing"])
+@pytest.mark.parametrize("state", [
+    "never-opened", "opened-then-closed",
+    pytest.param("closing", marks=warren_deviation(
+        "content on a channel waiting for close-ok is dropped (amqp091-go pipelines into it)")),
+])
 @pytest.mark.parametrize("kind", ["header", "body"])
 def test_content_frame_on_a_channel_not_open_is_505(state, kind):
     # A connection error (not a channel error), naming no method.

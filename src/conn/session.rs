@@ -598,7 +598,9 @@ impl Session {
         raw_properties: Bytes,
     ) -> Result<(), AmqpError> {
         let max = self.shared.config.max_message_size;
-        let chan = self.content_channel(ch)?;
+        let Some(chan) = self.content_channel(ch)? else {
+            return Ok(());
+        };
         if body_size > max {
             chan.content.reset();
             return Err(AmqpError::precondition_failed(format!(
@@ -618,7 +620,9 @@ impl Session {
     fn content_body(&mut self, ch: u16, data: Bytes) -> Result<(), AmqpError> {
         let limit = self.shared.config.max_message_size;
         let len = data.len() as u64;
-        let chan = self.content_channel(ch)?;
+        let Some(chan) = self.content_channel(ch)? else {
+            return Ok(());
+        };
         let before = chan.content.received();
         match chan.content.body(data)? {
             Some(content) => {
@@ -654,13 +658,16 @@ impl Session {
         Ok(())
     }
 
-    /// The channel a content frame arrived on. On a channel that is not open (never opened,
-    /// closed, or closed by us and waiting for the client's close-ok) RabbitMQ closes the
-    /// connection with 505, naming no method.
-    fn content_channel(&mut self, ch: u16) -> Result<&mut Chan, AmqpError> {
+    /// The channel a content frame arrived on (None: a channel closed by us, waiting for the
+    /// client's close-ok, where content is dropped as the spec says: a client that pipelines
+    /// publishes has their frames in flight when the close arrives, and amqp091-go's suite
+    /// relies on them being dropped). On a channel that is not open at all (never opened, or
+    /// closed) RabbitMQ closes the connection with 505, naming no method.
+    fn content_channel(&mut self, ch: u16) -> Result<Option<&mut Chan>, AmqpError> {
         match self.channels.get_mut(&ch) {
-            Some(chan) if !chan.closing => Ok(chan),
-            _ => Err(AmqpError::new(
+            Some(chan) if chan.closing => Ok(None),
+            Some(chan) => Ok(Some(chan)),
+            None => Err(AmqpError::new(
                 ReplyCode::UnexpectedFrame,
                 "expected method frame, got non method frame instead",
             )

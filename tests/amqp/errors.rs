@@ -391,14 +391,15 @@ async fn a_client_that_stops_reading_does_not_hurt_others() {
     }
 }
 
-/// Issue 12: a content frame on a channel that is not open (never opened, closed, or closed by
-/// the broker and waiting for the client's close-ok) closes the connection with 505, naming no
-/// method, as RabbitMQ 3.10 does (Warren answered 504 before).
+/// Issue 12: a content frame on a channel that is not open (never opened, or closed) closes the
+/// connection with 505, naming no method, as RabbitMQ 3.10 does (Warren answered 504 before).
+/// On a channel closed by the broker and waiting for the client's close-ok, content is dropped
+/// (amqp091-go's suite pipelines publishes into such a channel).
 #[tokio::test]
 async fn content_frames_on_a_channel_that_is_not_open_are_505() {
     let server = TestServer::start().await;
     let bystander = Bystander::new(&server).await;
-    for state in ["never-opened", "closed", "closing"] {
+    for state in ["never-opened", "closed"] {
         for header in [true, false] {
             let mut raw = Raw::handshake(server.addr).await;
             match state {
