@@ -36,8 +36,9 @@ pub struct Config {
     pub flow_hold: Duration,
     /// Where to serve the management HTTP API (RabbitMQ's port 15672); None: not served.
     pub management_listen: Option<SocketAddr>,
-    /// Test hook, never set from the command line: a queue.declare of this name panics inside
-    /// the broker lock, so tests can show a defect in one connection leaks nothing.
+    /// Test hook, never set from the command line or a config file (None in every server the
+    /// binary starts): a queue.declare of this name panics inside the broker lock, so tests can
+    /// show a defect in one connection leaks nothing. No client input can turn it on.
     pub panic_on_declare: Option<String>,
     /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
     /// the process's file descriptor limit (`server::default_connection_max`).

@@ -42,6 +42,18 @@ async fn publish_confirmed(ch: &lapin::Channel, exchange: &str, key: &str, body:
         .is_ack());
 }
 
+/// A consumer on `queue` with manual acks.
+async fn consume(ch: &lapin::Channel, queue: &str) -> lapin::Consumer {
+    ch.basic_consume(
+        queue.into(),
+        "".into(),
+        Default::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+}
+
 /// Poll `f` until it holds (bounded by `WAIT`).
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -85,15 +97,7 @@ async fn a_panic_in_a_connection_task_closes_it_with_541_and_leaks_nothing() {
     .unwrap();
     // One delivery to a consumer and one basic.get, neither acked.
     ch.basic_qos(1, Default::default()).await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            work.as_str().into(),
-            "".into(),
-            Default::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, &work).await;
     let first = next_delivery(&mut consumer).await;
     assert_eq!(first.data, b"one");
     let ch2 = victim.create_channel().await.unwrap();
@@ -222,15 +226,7 @@ async fn a_long_dead_letter_routing_key_is_cut_on_get_and_deliver() {
     ch.basic_ack(got.delivery.delivery_tag, Default::default())
         .await
         .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            dead.as_str().into(),
-            "".into(),
-            Default::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, &dead).await;
     let d = next_delivery(&mut consumer).await;
     assert_eq!(d.data, b"deliver");
     assert_eq!(d.routing_key.as_str(), &key[..255]);
@@ -474,15 +470,7 @@ async fn the_memory_watermark_blocks_publishers_and_others_carry_on() {
     cch.queue_declare(q.as_str().into(), Default::default(), FieldTable::default())
         .await
         .unwrap();
-    let mut consumer = cch
-        .basic_consume(
-            q.as_str().into(),
-            "".into(),
-            Default::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&cch, &q).await;
     let publisher = connect().await;
     let pch = publisher.create_channel().await.unwrap();
     let body = vec![7u8; 64 * 1024];
