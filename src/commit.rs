@@ -190,6 +190,14 @@ impl Committer {
     }
 }
 
+/// Writes failing in a row (for rate-limited logging).
+struct Failing {
+    count: u64,
+    /// Failures since the last line logged.
+    unreported: u64,
+    last_report: Option<std::time::Instant>,
+}
+
 fn run(
     store: Arc<dyn Store>,
     rx: mpsc::Receiver<Request>,
@@ -199,6 +207,7 @@ fn run(
 ) {
     let mut batch: Vec<Request> = Vec::new();
     let mut ops: Vec<Op> = Vec::new();
+    let mut failing: Option<Failing> = None;
     while let Ok(first) = rx.recv() {
         batch.push(first);
         // Everything that arrived meanwhile shares this write (bounded, so one write stays
@@ -227,10 +236,33 @@ fn run(
             stats.syncs.fetch_add(1, Ordering::Relaxed);
         }
         let ok = match result {
-            Ok(()) => true,
+            Ok(()) => {
+                if let Some(f) = failing.take() {
+                    tracing::info!(
+                        failed = f.count,
+                        "store writes succeed again (the confirms that waited for the failed ones were nacked)"
+                    );
+                }
+                true
+            }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
-                error!(error = %e, ops = ops.len(), "store write failed");
+                // A store that cannot write fails every write, thousands a second under load:
+                // one line when it starts, then one every 10 s with the count.
+                let f = failing.get_or_insert(Failing {
+                    count: 0,
+                    unreported: 0,
+                    last_report: None,
+                });
+                f.count += 1;
+                f.unreported += 1;
+                if f.last_report
+                    .is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(10))
+                {
+                    error!(error = %e, ops = ops.len(), failed = f.unreported, "store write failed");
+                    f.last_report = Some(std::time::Instant::now());
+                    f.unreported = 0;
+                }
                 false
             }
         };

@@ -33,6 +33,10 @@ pub struct Config {
     pub flow_hold: Duration,
     /// Where to serve the management HTTP API (RabbitMQ's port 15672); None: not served.
     pub management_listen: Option<SocketAddr>,
+    /// Start from a store that fails its checks at open (a damaged log or table file, a
+    /// missing MANIFEST) instead of refusing: copy it to `<data>/damaged-<time>/`, repair it,
+    /// log what was lost. Off by default: a damaged store needs an operator's decision.
+    pub recover_damaged: bool,
 }
 
 impl Default for Config {
@@ -52,6 +56,7 @@ impl Default for Config {
             flow_hold: Duration::from_millis(100),
             disk_free_limit: 50_000_000,
             management_listen: None,
+            recover_damaged: false,
         }
     }
 }

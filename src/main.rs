@@ -51,6 +51,16 @@ struct ServerArgs {
     /// Address of the management HTTP API (RabbitMQ's 15672), or "none" not to serve it.
     #[arg(long, env = "WARREN_MANAGEMENT_LISTEN", default_value = "[::]:15672")]
     management_listen: String,
+    /// Start even if the store is damaged: copy it to <data-dir>/damaged-<unix time>/ first,
+    /// keep what can be read, and log what was lost. Without it a damaged store stops the
+    /// start with an error naming the damage.
+    #[arg(
+        long,
+        env = "WARREN_RECOVER_DAMAGED",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    recover_damaged: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -91,6 +101,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
                     .with_context(|| format!("--management-listen {a}"))?,
             ),
         },
+        recover_damaged: args.recover_damaged,
         ..Default::default()
     };
     let listener = warren::server::bind_dual(config.amqp_listen)

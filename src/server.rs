@@ -32,6 +32,24 @@ pub struct Shared {
     pub disk_alarm: watch::Sender<bool>,
     /// Every client connection past its protocol header, by name (the management API).
     pub connections: RwLock<std::collections::BTreeMap<String, Arc<crate::mgmt::ConnInfo>>>,
+    /// Client sockets accepted at most: the descriptor limit less what the store may hold
+    /// open and a reserve for the broker's own (see `socket_budget`).
+    pub max_connections: usize,
+}
+
+/// Descriptors kept for the broker itself: listeners, the runtime's epoll and event fds, the
+/// standard streams, files the management API or a restart opens.
+const OWN_FILES: u64 = 32;
+
+/// How many client sockets fit in the process's descriptor limit beside `store_files`. Past
+/// it a new connection is closed at once: a socket flood must not leave the store unable to
+/// open a file (a failed log or table write stops it until it is reopened), which RabbitMQ
+/// prevents the same way (its socket limit under the file handle limit).
+pub fn socket_budget(store_files: u64) -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    soft.saturating_sub(store_files + OWN_FILES).max(1) as usize
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -85,6 +103,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
             connections: Default::default(),
+            max_connections: socket_budget(0),
         })
     }
 
@@ -93,8 +112,26 @@ impl Shared {
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context;
         let path = config.data_dir.join("store");
-        let store = warren_storage::rocks::RocksStore::open(&path)
-            .with_context(|| format!("opening the store in {}", path.display()))?;
+        let options = warren_storage::rocks::OpenOptions {
+            recover_damaged: config.recover_damaged,
+        };
+        let store = match warren_storage::rocks::RocksStore::open_with(&path, &options) {
+            Ok(store) => store,
+            Err(e @ warren_storage::StoreError::Corrupt { .. }) if !config.recover_damaged => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "the store in {} is damaged; Warren does not start on it (nothing was \
+                     changed or discarded). To start with what can still be read, run once \
+                     with --recover-damaged (or WARREN_RECOVER_DAMAGED=1): it copies the store \
+                     to {}/damaged-<unix time>/ first, repairs it, and logs what was lost",
+                    path.display(),
+                    config.data_dir.display()
+                )));
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("opening the store in {}", path.display())))
+            }
+        };
         let recovered = warren_storage::Store::recover(&store)
             .with_context(|| format!("reading the store in {}", path.display()))?;
         let mut broker = Broker::new();
@@ -110,6 +147,8 @@ impl Shared {
         broker.enable_journal();
         let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
+        let store_files =
+            store.max_open_files() as u64 + warren_storage::rocks::open::STORE_OTHER_FILES;
         let store: Arc<dyn warren_storage::Store> = Arc::new(store);
         let committer = Committer::start(store.clone());
         broker.set_pager(crate::broker::queue::Pager {
@@ -127,6 +166,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
             connections: Default::default(),
+            max_connections: socket_budget(store_files),
         }))
     }
 
@@ -301,7 +341,9 @@ pub async fn serve(
         },
         None => None,
     };
-    info!(addr = %listener.local_addr()?, "listening for AMQP");
+    info!(addr = %listener.local_addr()?, max_connections = shared.max_connections, "listening for AMQP");
+    let mut refused = 0u64;
+    let mut last_refusal: Option<std::time::Instant> = None;
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -316,6 +358,22 @@ pub async fn serve(
                         continue;
                     }
                 };
+                if tracker.len() >= shared.max_connections {
+                    // Closed before a byte is read: the client sees the connection reset.
+                    drop(socket);
+                    refused += 1;
+                    if last_refusal.is_none_or(|t: std::time::Instant| t.elapsed() >= std::time::Duration::from_secs(10)) {
+                        warn!(
+                            %peer,
+                            refused,
+                            max = shared.max_connections,
+                            "connection refused: as many connections as the descriptor limit leaves room for (raise ulimit -n)"
+                        );
+                        last_refusal = Some(std::time::Instant::now());
+                        refused = 0;
+                    }
+                    continue;
+                }
                 let _ = socket.set_nodelay(true);
                 let shared = shared.clone();
                 let stop = stop_rx.clone();
