@@ -16,7 +16,7 @@
 //!
 //! `warren-store-compact`: compacts the key ranges of deleted and purged queues that still have
 //! table files (so their space comes back without waiting for level compaction, which never
-//! picks files whose level is under its size target), and every 2 s merges runs of small
+//! picks files whose level is under its size target), and twice a second merges runs of small
 //! table files. A queue's keys only grow, so each flushed file covers a key range no other file
 //! touches; level compaction then moves such files down a level instead of merging them, and
 //! nothing merges neighbouring small files in a level: with compressible bodies (an 8 MiB
@@ -37,7 +37,7 @@ const SMALL_FILE: usize = 4 << 20;
 /// Merge small files once this many sit next to each other in a level (fewer are not worth
 /// rewriting; a merged file still small joins the next run).
 const MERGE_RUN: usize = 8;
-const MERGE_EVERY: Duration = Duration::from_secs(2);
+const MERGE_EVERY: Duration = Duration::from_millis(500);
 /// Deleted ranges queue up for this long before they are compacted together.
 const RANGES_EVERY: Duration = Duration::from_millis(500);
 /// A stopped database is reopened after this long (RocksDB may still resume by itself)...
@@ -275,6 +275,13 @@ fn merge_runs(db: &Db, options: &CompactOptions) -> usize {
             .or_default()
             .push(f);
     }
+    let l0 = files.iter().filter(|f| f.level == 0).count();
+    tracing::debug!(
+        files = files.len(),
+        l0,
+        levels = ?levels.iter().map(|((cf, l), fs)| (cf.as_str(), *l, fs.len())).collect::<Vec<_>>(),
+        "table files"
+    );
     let mut merged = 0;
     for ((cf, _), mut level) in levels {
         let Some(h) = db.cf_handle(&cf) else {
@@ -303,7 +310,9 @@ fn merge_runs(db: &Db, options: &CompactOptions) -> usize {
         }
         close(&mut run);
         for (s, e) in runs {
+            let started = Instant::now();
             db.compact_range_cf_opt(&h, Some(&s), Some(&e), options);
+            tracing::debug!(cf = %cf, took = ?started.elapsed(), "merged a run of small table files");
             merged += 1;
         }
     }

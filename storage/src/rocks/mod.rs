@@ -186,8 +186,10 @@ impl RocksStore {
     fn open_checked(path: &Path, tuning: Tuning, mode: Mode) -> Result<Self, StoreError> {
         if mode == Mode::Strict && path.join("CURRENT").exists() {
             // Read-only first: RocksDB's own checks, then Warren's, before anything is written.
+            let started = std::time::Instant::now();
             let look = open::open_db(path, &tuning, Mode::Check)?;
             open::check_watermark(path, look.latest_sequence_number())?;
+            tracing::debug!(took = ?started.elapsed(), "checked the store read-only");
         }
         let db = open::open_db(path, &tuning, mode)?;
         let recovered = db.latest_sequence_number();
@@ -290,8 +292,8 @@ impl RocksStore {
         });
     }
 
-    /// Merge runs of small table files now (what the background thread does every few
-    /// seconds); returns how many runs were merged.
+    /// Merge runs of small table files now (what the background thread does twice a
+    /// second); returns how many runs were merged.
     pub fn merge_small_files(&self) -> usize {
         self.inner
             .with_view(|v| {
@@ -1249,7 +1251,7 @@ mod tests {
 
     /// One queue's keys only grow, so each flush is a file no other touches and level
     /// compaction moves it down whole; with compressible bodies each is tiny. Such runs are
-    /// merged (here on demand; the background thread does it every 2 s), and nothing is lost.
+    /// merged (here on demand; the background thread does it twice a second), and nothing is lost.
     #[test]
     fn runs_of_small_table_files_are_merged() {
         let dir = tempfile::tempdir().unwrap();
@@ -1265,14 +1267,23 @@ mod tests {
             s.write(&ops, true).unwrap();
             most = most.max(messages_files(&s));
         }
-        s.merge_small_files();
+        // Level 0 is level compaction's business (up to 3 files wait for a 4th there).
+        let below_level_0 = || {
+            s.inner
+                .with_view(|v| Ok(v.db.live_files().map_err(|e| v.err(e))?))
+                .unwrap()
+                .iter()
+                .filter(|f| f.column_family_name == MESSAGES && f.level > 0)
+                .count()
+        };
         wait_for("small files not merged", || {
             s.merge_small_files();
-            messages_files(&s) <= 4
+            below_level_0() <= 3
         });
         eprintln!(
-            "messages table files: at most {most} while writing, {} after merging",
-            messages_files(&s)
+            "messages table files: at most {most} while writing, {} after merging ({} below level 0)",
+            messages_files(&s),
+            below_level_0()
         );
         let mut from = 0;
         let mut seen = 0;
