@@ -268,3 +268,67 @@ async fn a_store_stopped_by_a_failed_write_takes_writes_again_without_a_restart(
     );
     stop_binary(&mut b);
 }
+
+/// Whether the broker at `port` answers a protocol header (accepted) or closes the socket.
+async fn answers(port: u16) -> Option<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    s.write_all(b"AMQP\x00\x00\x09\x01").await.ok()?;
+    let mut buf = [0u8; 7];
+    match tokio::time::timeout(WAIT, s.read(&mut buf)).await {
+        Ok(Ok(n)) if n > 0 => Some(s),
+        _ => None,
+    }
+}
+
+/// Client sockets cannot take the descriptors the store needs: past the budget (the limit
+/// less the store's files and the broker's own) a new connection is closed at once, and
+/// persistent publishes on a connection already in go on being confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_descriptor_budget_are_refused_and_the_store_keeps_working() {
+    const LIMIT: u64 = 160;
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = spawn_limited(dir.path(), LIMIT).await;
+    // amqp://guest:guest@127.0.0.1:PORT/%2f
+    let port: u16 = b
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let (conn, ch) = confirming(&b.url, "budget").await;
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..LIMIT {
+        match answers(port).await {
+            Some(s) => held.push(s),
+            None => refused += 1,
+        }
+    }
+    eprintln!(
+        "under ulimit -n {LIMIT}: {} more connections accepted, {refused} refused, {} descriptors open",
+        held.len(),
+        open_fds(b.child.id())
+    );
+    assert!(
+        refused > 0,
+        "every connection accepted under a limit of {LIMIT}"
+    );
+    assert!(held.len() >= 20, "only {} connections accepted", held.len());
+    // Memtable flushes need new files: the store still gets them.
+    let stop = tokio::time::Instant::now() + Duration::from_secs(3);
+    let (a, n) = flood(ch, "budget".into(), stop).await;
+    assert!(
+        a > 100 && n == 0,
+        "{a} confirmed, {n} nacked with every socket taken"
+    );
+    drop(held);
+    let _ = conn.close(200, "bye".into()).await;
+    stop_binary(&mut b);
+}
