@@ -1270,7 +1270,7 @@ mod tests {
         // Level 0 is level compaction's business (up to 3 files wait for a 4th there).
         let below_level_0 = || {
             s.inner
-                .with_view(|v| Ok(v.db.live_files().map_err(|e| v.err(e))?))
+                .with_view(|v| v.db.live_files().map_err(|e| v.err(e)))
                 .unwrap()
                 .iter()
                 .filter(|f| f.column_family_name == MESSAGES && f.level > 0)
