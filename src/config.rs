@@ -46,6 +46,10 @@ pub struct Config {
     /// Block publishers while the process's resident memory is above this (RabbitMQ's
     /// vm_memory_high_watermark: 0.4 of the machine's memory by default).
     pub vm_memory_high_watermark: crate::memory::Watermark,
+    /// Start from a store that fails its checks at open (a damaged log or table file, a
+    /// missing MANIFEST) instead of refusing: copy it to `<data>/damaged-<time>/`, repair it,
+    /// log what was lost. Off by default: a damaged store needs an operator's decision.
+    pub recover_damaged: bool,
 }
 
 impl Default for Config {
@@ -68,6 +72,7 @@ impl Default for Config {
             panic_on_declare: None,
             connection_max: None,
             vm_memory_high_watermark: Default::default(),
+            recover_damaged: false,
         }
     }
 }

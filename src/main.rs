@@ -80,6 +80,16 @@ struct ServerArgs {
         hide_env_values = true
     )]
     default_pass: Option<String>,
+    /// Start even if the store is damaged: copy it to <data-dir>/damaged-<unix time>/ first,
+    /// keep what can be read, and log what was lost. Without it a damaged store stops the
+    /// start with an error naming the damage.
+    #[arg(
+        long,
+        env = "WARREN_RECOVER_DAMAGED",
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    recover_damaged: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -127,6 +137,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
             (Some(user), Some(pass)) => vec![(user, pass)],
             _ => warren::Config::default().users,
         },
+        recover_damaged: args.recover_damaged,
         ..Default::default()
     };
     let listener = warren::server::bind_dual(config.amqp_listen)

@@ -38,6 +38,24 @@ pub struct Shared {
     /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
     /// or a share of the process's descriptor limit (`default_connection_max`).
     pub connection_max: usize,
+    /// Client sockets accepted at most: the descriptor limit less what the store may hold
+    /// open and a reserve for the broker's own (see `socket_budget`).
+    pub max_connections: usize,
+}
+
+/// Descriptors kept for the broker itself: listeners, the runtime's epoll and event fds, the
+/// standard streams, files the management API or a restart opens.
+const OWN_FILES: u64 = 32;
+
+/// How many client sockets fit in the process's descriptor limit beside `store_files`. Past
+/// it a new connection is closed at once: a socket flood must not leave the store unable to
+/// open a file (a failed log or table write stops it until it is reopened), which RabbitMQ
+/// prevents the same way (its socket limit under the file handle limit).
+pub fn socket_budget(store_files: u64) -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    soft.saturating_sub(store_files + OWN_FILES).max(1) as usize
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -99,6 +117,7 @@ impl Shared {
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
             connections: Default::default(),
+            max_connections: socket_budget(0),
         })
     }
 
@@ -107,8 +126,26 @@ impl Shared {
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context;
         let path = config.data_dir.join("store");
-        let store = warren_storage::rocks::RocksStore::open(&path)
-            .with_context(|| format!("opening the store in {}", path.display()))?;
+        let options = warren_storage::rocks::OpenOptions {
+            recover_damaged: config.recover_damaged,
+        };
+        let store = match warren_storage::rocks::RocksStore::open_with(&path, &options) {
+            Ok(store) => store,
+            Err(e @ warren_storage::StoreError::Corrupt { .. }) if !config.recover_damaged => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "the store in {} is damaged; Warren does not start on it (nothing was \
+                     changed or discarded). To start with what can still be read, run once \
+                     with --recover-damaged (or WARREN_RECOVER_DAMAGED=1): it copies the store \
+                     to {}/damaged-<unix time>/ first, repairs it, and logs what was lost",
+                    path.display(),
+                    config.data_dir.display()
+                )));
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("opening the store in {}", path.display())))
+            }
+        };
         let recovered = warren_storage::Store::recover(&store)
             .with_context(|| format!("reading the store in {}", path.display()))?;
         let mut broker = Broker::new();
@@ -137,6 +174,8 @@ impl Shared {
         broker.enable_journal();
         let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
+        let store_files =
+            store.max_open_files() as u64 + warren_storage::rocks::open::STORE_OTHER_FILES;
         let store: Arc<dyn warren_storage::Store> = Arc::new(store);
         let committer = Committer::start(store.clone());
         broker.set_pager(crate::broker::queue::Pager {
@@ -157,6 +196,7 @@ impl Shared {
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
             connections: Default::default(),
+            max_connections: socket_budget(store_files),
         }))
     }
 
@@ -258,9 +298,11 @@ pub fn default_connection_max(nofile_soft: u64) -> usize {
 impl Shared {
     /// Sockets accepted at once: the connection limit plus room for clients still in their
     /// handshake (which connection.open then refuses with 530 when the limit is reached).
+    /// Never more than the descriptor budget beside the store (`max_connections`).
     pub fn socket_max(&self) -> usize {
         self.connection_max
             .saturating_add(self.connection_max / 8 + 8)
+            .min(self.max_connections)
     }
 }
 
@@ -414,6 +456,7 @@ pub async fn serve(
     info!(
         addr = %listener.local_addr()?,
         connection_max = shared.connection_max,
+        sockets_max = shared.socket_max(),
         "listening for AMQP"
     );
     let mut accept_failing = crate::log_limit::Repeats::default();

@@ -387,8 +387,19 @@ pub struct Binary {
     pub url: String,
 }
 
+impl Drop for Binary {
+    /// A test that fails half-way must not leave a broker running (it would hold its port,
+    /// its data folder, and whatever descriptors it inherited, such as a build lock).
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 pub async fn spawn_binary(data: &std::path::Path, extra: &[&str]) -> Binary {
-    spawn_binary_env(data, extra, &[]).await
+    spawn_binary_with(data, extra, |_| {}).await
 }
 
 /// Like [`spawn_binary`], with extra environment variables.
@@ -397,29 +408,72 @@ pub async fn spawn_binary_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Binary {
+    spawn_binary_with(data, extra, |c| {
+        c.envs(env.iter().copied());
+    })
+    .await
+}
+
+/// The `warren server` command on `data` and a free loopback port (returned), run through
+/// `wrapper` (a program and its arguments that exec the rest, like `prlimit ... --`) if any.
+fn binary_command(
+    data: &std::path::Path,
+    extra: &[&str],
+    wrapper: &[&str],
+) -> (std::process::Command, u16) {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
-        .args([
-            "server",
-            "--management-listen",
-            "none",
-            "--amqp-listen",
-            &format!("127.0.0.1:{port}"),
-        ])
-        .args(extra)
-        .arg("--data-dir")
-        .arg(data)
-        .env("WARREN_LOG", "error")
-        .envs(env.iter().copied())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-        .expect("start warren");
+    let mut cmd = match wrapper {
+        [program, args @ ..] => {
+            let mut c = std::process::Command::new(program);
+            c.args(args).arg(env!("CARGO_BIN_EXE_warren"));
+            c
+        }
+        [] => std::process::Command::new(env!("CARGO_BIN_EXE_warren")),
+    };
+    cmd.args([
+        "server",
+        "--management-listen",
+        "none",
+        "--amqp-listen",
+        &format!("127.0.0.1:{port}"),
+    ])
+    .args(extra)
+    .arg("--data-dir")
+    .arg(data)
+    .env("WARREN_LOG", "error")
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::inherit());
+    (cmd, port)
+}
+
+/// Like [`spawn_binary`], with `configure` applied to the command first (environment,
+/// resource limits, where stderr goes).
+pub async fn spawn_binary_with(
+    data: &std::path::Path,
+    extra: &[&str],
+    configure: impl FnOnce(&mut std::process::Command),
+) -> Binary {
+    spawn_binary_wrapped(data, extra, &[], configure).await
+}
+
+/// Like [`spawn_binary_with`], run through `wrapper` (see `binary_command`).
+pub async fn spawn_binary_wrapped(
+    data: &std::path::Path,
+    extra: &[&str],
+    wrapper: &[&str],
+    configure: impl FnOnce(&mut std::process::Command),
+) -> Binary {
+    let (mut cmd, port) = binary_command(data, extra, wrapper);
+    configure(&mut cmd);
+    let mut child = cmd.spawn().expect("start warren");
     let deadline = tokio::time::Instant::now() + WAIT * 2;
     while TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("warren exited at start: {status}");
+        }
         assert!(
             tokio::time::Instant::now() < deadline,
             "warren did not start"
@@ -429,5 +483,50 @@ pub async fn spawn_binary_env(
     Binary {
         child,
         url: format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+    }
+}
+
+/// Run the binary on `data` until it exits by itself (a start that must fail; killed and
+/// failed after 30 s): its exit status and what it wrote to stderr.
+pub fn run_binary_to_exit(
+    data: &std::path::Path,
+    extra: &[&str],
+) -> (std::process::ExitStatus, String) {
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let (mut cmd, _) = binary_command(data, extra, &[]);
+    cmd.stderr(log.reopen().unwrap());
+    let mut child = cmd.spawn().expect("start warren");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("warren did not exit within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(log.path()).unwrap())
+}
+
+/// Stop a binary as SIGTERM does and wait (bounded) for a clean exit.
+pub fn stop_binary(b: &mut Binary) {
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &b.child.id().to_string()])
+        .status();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(status) = b.child.try_wait().unwrap() {
+            assert!(status.success(), "warren exited with {status} on SIGTERM");
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = b.child.kill();
+            let _ = b.child.wait();
+            panic!("warren did not stop within 15 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }

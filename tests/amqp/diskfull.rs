@@ -4,13 +4,13 @@
 //! broker stays up and answers other clients, takes publishes again once space returns, and
 //! after a restart holds every message it confirmed.
 
-use crate::common::{spawn_binary, WAIT};
+use crate::common::{spawn_binary, Binary, WAIT};
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::Duration;
 
 struct Mount(std::path::PathBuf);
@@ -21,9 +21,10 @@ impl Drop for Mount {
     }
 }
 
-async fn spawn(data: &Path) -> (Child, String) {
+async fn spawn(data: &Path) -> (Binary, String) {
     let b = spawn_binary(data, &["--disk-free-limit", "0"]).await;
-    (b.child, b.url)
+    let url = b.url.clone();
+    (b, url)
 }
 
 /// Bodies that do not compress: id, then pseudo-random bytes.
@@ -175,9 +176,9 @@ async fn a_full_disk_nacks_publishes_and_the_broker_recovers_when_space_returns(
 
     // Restart: every confirmed message is there.
     let _ = Command::new("kill")
-        .args(["-TERM", &broker.id().to_string()])
+        .args(["-TERM", &broker.child.id().to_string()])
         .status();
-    let _ = broker.wait();
+    let _ = broker.child.wait();
     let (mut broker, url) = spawn(&data).await;
     let conn = Connection::connect(&url, ConnectionProperties::default())
         .await
@@ -197,6 +198,6 @@ async fn a_full_disk_nacks_publishes_and_the_broker_recovers_when_space_returns(
         "{} confirmed messages lost, e.g. {missing:?}",
         acked.difference(&got).count()
     );
-    let _ = broker.kill();
-    let _ = broker.wait();
+    let _ = broker.child.kill();
+    let _ = broker.child.wait();
 }

@@ -291,7 +291,7 @@ async fn the_default_user_comes_from_flags_or_environment() {
     for by_env in [false, true] {
         let data = tempfile::tempdir().unwrap();
         let flags = ["--default-user", "alice", "--default-pass", "s3cret"];
-        let b = Killed(if by_env {
+        let b = if by_env {
             spawn_binary_env(
                 data.path(),
                 &[],
@@ -303,8 +303,7 @@ async fn the_default_user_comes_from_flags_or_environment() {
             .await
         } else {
             spawn_binary(data.path(), &flags).await
-        });
-        let b = &b.0;
+        };
         let addr: std::net::SocketAddr = b
             .url
             .trim_start_matches("amqp://guest:guest@")
@@ -444,14 +443,11 @@ async fn the_memory_watermark_blocks_publishers_and_others_carry_on() {
     const WATERMARK: u64 = 160 << 20;
     const MARGIN: u64 = 64 << 20;
     let data = tempfile::tempdir().unwrap();
-    let b = Killed(
-        spawn_binary(
-            data.path(),
-            &["--vm-memory-high-watermark", &WATERMARK.to_string()],
-        )
-        .await,
-    );
-    let b = &b.0;
+    let b = spawn_binary(
+        data.path(),
+        &["--vm-memory-high-watermark", &WATERMARK.to_string()],
+    )
+    .await;
     let pid = b.child.id();
     let base = rss_of(pid);
     assert!(base < WATERMARK, "the broker starts at {base} bytes");
@@ -556,17 +552,6 @@ async fn the_memory_watermark_blocks_publishers_and_others_carry_on() {
         {
             d.ack(Default::default()).await.unwrap();
         }
-    }
-}
-
-/// A spawned broker, killed when the test ends, also by a failed assertion (a broker left
-/// running would hold its data folder and port).
-struct Killed(Binary);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.child.kill();
-        let _ = self.0.child.wait();
     }
 }
 

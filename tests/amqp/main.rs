@@ -9,6 +9,8 @@ mod channel;
 mod confirm_tx;
 mod connection;
 mod crash;
+mod damage;
+mod descriptors;
 mod diskfull;
 mod durability;
 mod errors;

@@ -18,7 +18,7 @@
 //! last reference removed deletes the body). A queue that is deep in memory spills messages
 //! without the write-ahead log (`Op::Spill`); they are deleted at recovery.
 //!
-//! Tuning, and why:
+//! Tuning, and why (the options themselves are in `open`):
 //! - One LRU block cache shared by every column family, and one write-buffer manager capping all
 //!   memtables together (memory follows the data in flight, not the number of queues).
 //! - `messages` gets a larger write buffer (8 MiB): it takes every message write; a message
@@ -26,10 +26,22 @@
 //!   memtables 24 MiB in all keep the store's share of a deep queue's memory near 40 MB (the
 //!   S5 benchmark: 1,000,000 messages waiting then drained, peak RSS in the README; smaller
 //!   budgets than these did not change S2's rate).
-//! - Level compaction (the default): queues are appended at the tail and deleted at the head;
-//!   level compaction reclaims the deleted ranges steadily.
+//! - Level compaction (the default), helped where it does not merge: a queue's keys only grow,
+//!   so each flushed file covers a key range no other file touches and level compaction moves
+//!   it down instead of merging it; `maintenance` merges runs of small files and compacts the
+//!   ranges of deleted and purged queues (whose table files are dropped at once when they hold
+//!   nothing else).
+//! - At most `open::max_open_files()` table files open (from the descriptor limit).
 //! - Sync writes are RocksDB's WAL fsync; the committer batches many ops into one write, so one
 //!   fsync serves every connection waiting at that moment.
+//! - Damage is refused at open, not skipped (see `open`); `--recover-damaged` runs `salvage`.
+//! - A write that fails because of a background error RocksDB does not resume from (a file it
+//!   could not open, say, at the descriptor limit) stops the database for good; `maintenance`
+//!   reopens it in-process once files can be written again.
+
+mod maintenance;
+pub mod open;
+mod salvage;
 
 use crate::codec::{
     decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
@@ -39,13 +51,14 @@ use crate::codec::{
 use crate::op::{BindingDest, Op};
 use crate::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 use bytes::Bytes;
+use open::{lock, map_err, Mode, Tuning, SENTINEL};
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamilyDescriptor, DBWithThreadMode, Direction, IteratorMode,
-    MultiThreaded, Options, ReadOptions, WriteBatch, WriteBufferManager, WriteOptions,
+    DBWithThreadMode, Direction, IteratorMode, MultiThreaded, ReadOptions, WriteBatch, WriteOptions,
 };
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 type Db = DBWithThreadMode<MultiThreaded>;
 
@@ -53,25 +66,63 @@ const META: &str = "meta";
 const MESSAGES: &str = "messages";
 const SHARED: &str = "shared";
 
-/// Memory the store may use for block cache and memtables (each), across all queues.
-const BLOCK_CACHE_BYTES: usize = 16 * 1024 * 1024;
-const MEMTABLE_BUDGET_BYTES: usize = 24 * 1024 * 1024;
-const CF_WRITE_BUFFER_BYTES: usize = 4 * 1024 * 1024;
-const MESSAGES_WRITE_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+/// How to open a store.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    /// A store that fails the checks at open is salvaged instead of refused: its files are
+    /// copied to `damaged-<unix time>/` beside it, RocksDB's repair keeps what it can read, and
+    /// what was lost is logged.
+    pub recover_damaged: bool,
+}
 
 pub struct RocksStore {
-    db: Db,
+    inner: Arc<Inner>,
+    /// The background threads (`maintenance`), joined on drop.
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// The store's state, shared with its background threads.
+pub(crate) struct Inner {
     path: PathBuf,
+    /// The last sequence number in the store as opened (before anything is written).
+    recovered_seq: u64,
+    tuning: Tuning,
+    /// None only while a reopen after a failed write has not succeeded yet. Lock order:
+    /// `writing`, then `db`, then `health`.
+    db: RwLock<Option<Db>>,
     /// References to each shared body still stored (ids with none are not here).
     refs: Mutex<HashMap<u64, u32>>,
+    /// Held across every write, so that the sequence number read just after a logged write is
+    /// that write's (the committer is the only writer anyway: this costs nothing).
+    writing: Mutex<()>,
+    /// The sequence number of the last write that went to the log (under `writing`).
+    last_logged: AtomicU64,
+    /// The highest sequence number known fsynced: what `WARREN-CONFIRMED` records.
+    confirmed: AtomicU64,
+    /// What the scan at open found, until the first write makes it stale: recovery reads
+    /// every key once, at open, so that damage found there can be refused or salvaged before
+    /// anything starts.
+    recovered: Mutex<Option<Recovered>>,
+    /// Whether the database stopped taking writes after an error (see `maintenance`).
+    health: Mutex<maintenance::Health>,
+    jobs: maintenance::Jobs,
+    /// Messages of queues without a definition that the last scan dropped:
+    /// (vhost, queue, messages). Normal for non-durable queues' spills; reported by salvage.
+    orphans: Mutex<Vec<(String, String, u64)>>,
 }
 
 impl std::fmt::Debug for RocksStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RocksStore")
-            .field("path", &self.path)
+            .field("path", &self.inner.path)
             .finish()
     }
+}
+
+/// The database, borrowed for one operation (from `Inner::db`'s read lock).
+struct View<'a> {
+    db: &'a Db,
+    inner: &'a Inner,
 }
 
 /// The key prefix of a queue's messages: `m`, then vhost and name, length-prefixed (so no
@@ -106,95 +157,183 @@ fn message_key_bytes(prefix: &[u8], key: u64) -> Vec<u8> {
     k
 }
 
-fn map_err(path: &Path, e: rocksdb::Error) -> StoreError {
-    let text = e.to_string();
-    if text.contains("lock") && (text.contains("LOCK") || text.contains("Resource temporarily")) {
-        StoreError::Locked(path.to_path_buf())
-    } else if text.contains("No space left") || text.contains("ENOSPC") {
-        StoreError::NoSpace(text)
-    } else if text.contains("Corruption") || text.contains("corrupt") {
-        StoreError::Corrupt {
-            path: path.to_path_buf(),
-            detail: text,
+impl RocksStore {
+    /// Open (or create) the store in `path`. Fails with [`StoreError::Locked`] if another
+    /// process has it open, and with [`StoreError::Corrupt`] if it is damaged (see `open`) or
+    /// not a readable store; nothing is discarded in either case.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        Self::open_with(path, &OpenOptions::default())
+    }
+
+    /// Open with options: with `recover_damaged`, a store refused by [`RocksStore::open`]
+    /// is salvaged (see [`OpenOptions`]) rather than refused.
+    pub fn open_with(path: &Path, options: &OpenOptions) -> Result<Self, StoreError> {
+        match Self::open_checked(path, Tuning::new(), Mode::Strict) {
+            Ok(store) => {
+                if options.recover_damaged {
+                    tracing::warn!(path = %path.display(), "asked to recover a damaged store, but nothing is damaged: started as usual");
+                }
+                Ok(store)
+            }
+            Err(e @ StoreError::Corrupt { .. }) if options.recover_damaged => {
+                salvage::salvage(path, e)
+            }
+            Err(e) => Err(e),
         }
-    } else {
-        StoreError::Io(format!("{}: {text}", path.display()))
+    }
+
+    /// Open, refuse a store that lost confirmed writes, give every column family its table
+    /// file, and scan everything (recovery's reads: damaged table blocks fail here).
+    fn open_checked(path: &Path, tuning: Tuning, mode: Mode) -> Result<Self, StoreError> {
+        if mode == Mode::Strict && path.join("CURRENT").exists() {
+            // Read-only first: RocksDB's own checks, then Warren's, before anything is written.
+            let started = std::time::Instant::now();
+            let look = open::open_db(path, &tuning, Mode::Check)?;
+            open::check_watermark(path, look.latest_sequence_number())?;
+            tracing::debug!(took = ?started.elapsed(), "checked the store read-only");
+        }
+        let db = open::open_db(path, &tuning, mode)?;
+        let recovered = db.latest_sequence_number();
+        open::ensure_sentinels(&db).map_err(|e| map_err(path, e))?;
+        let seq = db.latest_sequence_number();
+        let inner = Arc::new(Inner {
+            path: path.to_path_buf(),
+            recovered_seq: recovered,
+            tuning,
+            db: RwLock::new(Some(db)),
+            refs: Mutex::new(HashMap::new()),
+            writing: Mutex::new(()),
+            last_logged: AtomicU64::new(seq),
+            confirmed: AtomicU64::new(seq),
+            recovered: Mutex::new(None),
+            health: Mutex::new(Default::default()),
+            jobs: Default::default(),
+            orphans: Mutex::new(Vec::new()),
+        });
+        let scanned = {
+            let _w = lock(&inner.writing);
+            inner.with_view(|v| v.recover_all())?
+        };
+        *lock(&inner.recovered) = Some(scanned);
+        let threads = maintenance::start(&inner);
+        Ok(RocksStore { inner, threads })
+    }
+
+    /// Bytes on disk (SST files and logs), for reports and tests.
+    pub fn disk_usage(&self) -> u64 {
+        fn walk(p: &Path) -> u64 {
+            std::fs::read_dir(p)
+                .map(|rd| {
+                    rd.filter_map(Result::ok)
+                        .map(|e| match e.metadata() {
+                            Ok(m) if m.is_dir() => walk(&e.path()),
+                            Ok(m) => m.len(),
+                            Err(_) => 0,
+                        })
+                        .sum()
+                })
+                .unwrap_or(0)
+        }
+        walk(&self.inner.path)
+    }
+
+    /// Bodies stored once for several queues that are still referred to.
+    pub fn shared_bodies(&self) -> usize {
+        lock(&self.inner.refs).len()
+    }
+
+    /// Bytes in SST files, across all column families (what compaction gives back).
+    pub fn sst_bytes(&self) -> u64 {
+        self.inner
+            .with_view(|v| {
+                Ok([META, MESSAGES, SHARED]
+                    .iter()
+                    .filter_map(|cf| v.db.cf_handle(cf))
+                    .filter_map(|h| {
+                        v.db.property_int_value_cf(&h, "rocksdb.total-sst-files-size")
+                            .ok()
+                            .flatten()
+                    })
+                    .sum())
+            })
+            .unwrap_or(0)
+    }
+
+    /// Table files of each column family (name, file count), for reports and tests.
+    pub fn table_files(&self) -> Vec<(String, usize)> {
+        self.inner
+            .with_view(|v| {
+                let files = v.db.live_files().map_err(|e| v.err(e))?;
+                Ok([META, MESSAGES, SHARED]
+                    .iter()
+                    .map(|cf| {
+                        let n = files.iter().filter(|f| f.column_family_name == *cf).count();
+                        (cf.to_string(), n)
+                    })
+                    .collect())
+            })
+            .unwrap_or_default()
+    }
+
+    /// How many table files RocksDB may keep open (see [`open::max_open_files`]).
+    pub fn max_open_files(&self) -> i32 {
+        self.inner.tuning.max_open_files
+    }
+
+    /// Compact everything now (space comes back after a drained backlog).
+    pub fn compact(&self) {
+        let _ = self.inner.with_view(|v| {
+            let _c = lock(&self.inner.jobs.compacting);
+            for cf in [META, MESSAGES, SHARED] {
+                if let Some(h) = v.db.cf_handle(cf) {
+                    v.db.compact_range_cf(&h, None::<&[u8]>, None::<&[u8]>);
+                }
+            }
+            Ok(())
+        });
+    }
+
+    /// Merge runs of small table files now (what the background thread does twice a
+    /// second); returns how many runs were merged.
+    pub fn merge_small_files(&self) -> usize {
+        self.inner
+            .with_view(|v| {
+                let _c = lock(&self.inner.jobs.compacting);
+                Ok(maintenance::merge_small_files(v.db))
+            })
+            .unwrap_or(0)
     }
 }
 
-impl RocksStore {
-    /// Open (or create) the store in `path`. Fails with [`StoreError::Locked`] if another
-    /// process has it open, and with [`StoreError::Corrupt`] if it is not a readable store;
-    /// nothing is discarded in either case.
-    pub fn open(path: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(path)
-            .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
-        let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
-        let manager = WriteBufferManager::new_write_buffer_manager_with_cache(
-            MEMTABLE_BUDGET_BYTES,
-            false,
-            cache.clone(),
-        );
-        let mut table = BlockBasedOptions::default();
-        table.set_block_cache(&cache);
-        let mut cf_opts = Options::default();
-        cf_opts.set_write_buffer_size(CF_WRITE_BUFFER_BYTES);
-        cf_opts.set_max_write_buffer_number(2);
-        cf_opts.set_block_based_table_factory(&table);
-        cf_opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        let mut db_opts = cf_opts.clone();
-        db_opts.create_if_missing(true);
-        db_opts.create_missing_column_families(true);
-        db_opts.set_write_buffer_manager(&manager);
-        // Bound the WAL so idle queues' memtables get flushed rather than pinning old logs.
-        db_opts.set_max_total_wal_size(128 * 1024 * 1024);
-        db_opts.set_keep_log_file_num(4);
-        let existing = match Db::list_cf(&db_opts, path) {
-            Ok(cfs) => cfs,
-            Err(e) => {
-                // A folder without a database yet is fine; anything else is not.
-                if path.join("CURRENT").exists() {
-                    return Err(map_err(path, e));
-                }
-                vec!["default".to_string()]
-            }
-        };
-        if let Some(old) = existing.iter().find(|n| n.starts_with("q.")) {
-            return Err(StoreError::Corrupt {
-                path: path.to_path_buf(),
-                detail: format!(
-                    "column family {old} is from an older Warren layout (a column family per \
-                     queue); this version keeps all queues in `messages` and does not convert"
-                ),
-            });
-        }
-        let mut names: Vec<String> = existing;
-        for wanted in [META, MESSAGES, SHARED] {
-            if !names.iter().any(|n| n == wanted) {
-                names.push(wanted.to_string());
-            }
-        }
-        let mut messages_opts = cf_opts.clone();
-        messages_opts.set_write_buffer_size(MESSAGES_WRITE_BUFFER_BYTES);
-        let descriptors = names.iter().map(|n| {
-            let opts = if n == MESSAGES {
-                messages_opts.clone()
-            } else {
-                cf_opts.clone()
-            };
-            ColumnFamilyDescriptor::new(n, opts)
-        });
-        let db =
-            Db::open_cf_descriptors(&db_opts, path, descriptors).map_err(|e| map_err(path, e))?;
-        Ok(RocksStore {
-            db,
-            path: path.to_path_buf(),
-            refs: Mutex::new(HashMap::new()),
-        })
+impl Drop for RocksStore {
+    /// Stop the background threads (the last one records the final watermark) before the
+    /// database closes with the last handle on `inner`.
+    fn drop(&mut self) {
+        maintenance::stop(&self.inner, std::mem::take(&mut self.threads));
     }
+}
 
+impl Inner {
+    /// Run `f` on the open database (an error while a reopen is pending).
+    fn with_view<T>(
+        &self,
+        f: impl FnOnce(&View<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let guard = self.db.read().unwrap_or_else(|e| e.into_inner());
+        let Some(db) = guard.as_ref() else {
+            return Err(StoreError::Io(format!(
+                "{}: the store is closed after a failed write and not reopened yet: {}",
+                self.path.display(),
+                lock(&self.health).describe()
+            )));
+        };
+        f(&View { db, inner: self })
+    }
+}
+
+impl View<'_> {
     fn err(&self, e: rocksdb::Error) -> StoreError {
-        map_err(&self.path, e)
+        map_err(&self.inner.path, e)
     }
 
     fn meta(&self) -> Result<std::sync::Arc<rocksdb::BoundColumnFamily<'_>>, StoreError> {
@@ -216,7 +355,7 @@ impl RocksStore {
     }
 
     fn refs(&self) -> std::sync::MutexGuard<'_, HashMap<u64, u32>> {
-        self.refs.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner.refs)
     }
 
     /// One reference to shared body `id` went; the last one deletes the body.
@@ -305,7 +444,7 @@ impl RocksStore {
 
     fn corrupt(&self, detail: String) -> StoreError {
         StoreError::Corrupt {
-            path: self.path.clone(),
+            path: self.inner.path.clone(),
             detail,
         }
     }
@@ -331,34 +470,24 @@ impl RocksStore {
         Ok(keys)
     }
 
+    /// A logged write. Callers hold `Inner::writing`: the sequence number read after it is
+    /// this write's.
     fn commit(&self, batch: WriteBatch, sync: bool) -> Result<(), StoreError> {
         let mut opts = WriteOptions::default();
         opts.set_sync(sync);
-        self.db.write_opt(batch, &opts).map_err(|e| self.err(e))
+        self.db.write_opt(batch, &opts).map_err(|e| self.err(e))?;
+        let seq = self.db.latest_sequence_number();
+        self.inner.last_logged.store(seq, Ordering::Release);
+        if sync {
+            self.inner.confirmed.fetch_max(seq, Ordering::AcqRel);
+        }
+        Ok(())
     }
 
     fn commit_unlogged(&self, batch: WriteBatch) -> Result<(), StoreError> {
         let mut opts = WriteOptions::default();
         opts.disable_wal(true);
         self.db.write_opt(batch, &opts).map_err(|e| self.err(e))
-    }
-
-    /// Bytes on disk (SST files and logs), for reports and tests.
-    pub fn disk_usage(&self) -> u64 {
-        fn walk(p: &Path) -> u64 {
-            std::fs::read_dir(p)
-                .map(|rd| {
-                    rd.filter_map(Result::ok)
-                        .map(|e| match e.metadata() {
-                            Ok(m) if m.is_dir() => walk(&e.path()),
-                            Ok(m) => m.len(),
-                            Err(_) => 0,
-                        })
-                        .sum()
-                })
-                .unwrap_or(0)
-        }
-        walk(&self.path)
     }
 
     /// Count the references to shared bodies again from what is stored (after a failed write
@@ -368,6 +497,9 @@ impl RocksStore {
         let mut counts: HashMap<u64, u32> = HashMap::new();
         for item in self.db.iterator_cf(&shared, IteratorMode::Start) {
             let (k, _) = item.map_err(|e| self.err(e))?;
+            if *k == *SENTINEL {
+                continue;
+            }
             counts.insert(self.message_key(&k)?, 0);
         }
         let messages = self.messages()?;
@@ -384,38 +516,6 @@ impl RocksStore {
         *self.refs() = counts;
         Ok(())
     }
-
-    /// Bodies stored once for several queues that are still referred to.
-    pub fn shared_bodies(&self) -> usize {
-        self.refs().len()
-    }
-
-    /// Bytes in SST files, across all column families (what compaction gives back).
-    pub fn sst_bytes(&self) -> u64 {
-        let Ok(cfs) = Db::list_cf(&Options::default(), &self.path) else {
-            return 0;
-        };
-        cfs.iter()
-            .filter_map(|cf| self.db.cf_handle(cf))
-            .filter_map(|h| {
-                self.db
-                    .property_int_value_cf(&h, "rocksdb.total-sst-files-size")
-                    .ok()
-                    .flatten()
-            })
-            .sum()
-    }
-
-    /// Compact everything now (space comes back after a drained backlog).
-    pub fn compact(&self) {
-        if let Ok(cfs) = Db::list_cf(&Options::default(), &self.path) {
-            for cf in cfs {
-                if let Some(h) = self.db.cf_handle(&cf) {
-                    self.db.compact_range_cf(&h, None::<&[u8]>, None::<&[u8]>);
-                }
-            }
-        }
-    }
 }
 
 /// The two batches of one `write`: logged (write-ahead log) and unlogged (spills). Ops are
@@ -425,17 +525,20 @@ struct Batches {
     unlogged: WriteBatch,
     /// A logged batch was written unsynced (the final sync must cover it).
     logged_written: bool,
+    /// Key ranges (inclusive) deleted by this write whose table files may be dropped once it
+    /// is synced: ranges nothing later in the same write put keys into again.
+    reclaim: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl Batches {
-    fn logged(&mut self, store: &RocksStore) -> Result<&mut WriteBatch, StoreError> {
+    fn logged(&mut self, store: &View<'_>) -> Result<&mut WriteBatch, StoreError> {
         if !self.unlogged.is_empty() {
             store.commit_unlogged(std::mem::take(&mut self.unlogged))?;
         }
         Ok(&mut self.logged)
     }
 
-    fn unlogged(&mut self, store: &RocksStore) -> Result<&mut WriteBatch, StoreError> {
+    fn unlogged(&mut self, store: &View<'_>) -> Result<&mut WriteBatch, StoreError> {
         if !self.logged.is_empty() {
             store.commit(std::mem::take(&mut self.logged), false)?;
             self.logged_written = true;
@@ -444,7 +547,7 @@ impl Batches {
     }
 
     /// Write everything pending now (unsynced).
-    fn flush(&mut self, store: &RocksStore) -> Result<(), StoreError> {
+    fn flush(&mut self, store: &View<'_>) -> Result<(), StoreError> {
         self.unlogged(store)?;
         if !self.unlogged.is_empty() {
             store.commit_unlogged(std::mem::take(&mut self.unlogged))?;
@@ -452,7 +555,7 @@ impl Batches {
         Ok(())
     }
 
-    fn finish(mut self, store: &RocksStore, sync: bool) -> Result<(), StoreError> {
+    fn finish(mut self, store: &View<'_>, sync: bool) -> Result<(), StoreError> {
         if !self.unlogged.is_empty() {
             store.commit_unlogged(std::mem::take(&mut self.unlogged))?;
         }
@@ -460,8 +563,19 @@ impl Batches {
             store.commit(std::mem::take(&mut self.logged), sync)?;
         } else if sync && self.logged_written {
             store.db.flush_wal(true).map_err(|e| store.err(e))?;
+            // Everything logged so far is on disk; spills written since were not logged.
+            let logged = store.inner.last_logged.load(Ordering::Acquire);
+            store.inner.confirmed.fetch_max(logged, Ordering::AcqRel);
         }
         Ok(())
+    }
+}
+
+/// A key written by a later op of the same write: a range deleted earlier in it must keep its
+/// table files (`View::reclaim`).
+fn keep_out_of_reclaim(reclaim: &mut Vec<(Vec<u8>, Vec<u8>)>, key: &[u8]) {
+    if !reclaim.is_empty() {
+        reclaim.retain(|(from, to)| !(&from[..] <= key && key <= &to[..]));
     }
 }
 
@@ -471,24 +585,36 @@ type Scan = (Vec<u8>, bool, Vec<(u64, u64, bool)>);
 
 impl Store for RocksStore {
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
-        let shares = !self.refs().is_empty()
-            || ops
-                .iter()
-                .any(|op| matches!(op, Op::Enqueue { queues, .. } if queues.len() > 1));
-        let result = self.write_ops(ops, sync);
-        if result.is_err() && shares {
-            // The reference counts were changed while the batch was built; what reached the
-            // disk is the truth: count again (a count left too low would delete a body that a
-            // queue still refers to).
-            if let Err(e) = self.recount_refs() {
-                tracing::error!(error = %e, "recounting shared message references failed");
+        // The scan made at open no longer describes the store.
+        lock(&self.inner.recovered).take();
+        let _w = lock(&self.inner.writing);
+        self.inner.with_view(|v| {
+            let shares = !v.refs().is_empty()
+                || ops
+                    .iter()
+                    .any(|op| matches!(op, Op::Enqueue { queues, .. } if queues.len() > 1));
+            let result = v.write_ops(ops, sync);
+            if let Err(e) = &result {
+                if shares {
+                    // The reference counts were changed while the batch was built; what
+                    // reached the disk is the truth: count again (a count left too low would
+                    // delete a body that a queue still refers to).
+                    if let Err(e) = v.recount_refs() {
+                        tracing::error!(error = %e, "recounting shared message references failed");
+                    }
+                }
+                maintenance::after_failed_write(v, e);
             }
-        }
-        result
+            result
+        })
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {
-        self.recover_all()
+        if let Some(scanned) = lock(&self.inner.recovered).take() {
+            return Ok(scanned);
+        }
+        let _w = lock(&self.inner.writing);
+        self.inner.with_view(|v| v.recover_all())
     }
 
     fn read(
@@ -500,11 +626,12 @@ impl Store for RocksStore {
         max_count: usize,
         max_bytes: usize,
     ) -> Result<Vec<StoredMessage>, StoreError> {
-        self.read_range(vhost, queue, from, to, max_count, max_bytes)
+        self.inner
+            .with_view(|v| v.read_range(vhost, queue, from, to, max_count, max_bytes))
     }
 }
 
-impl RocksStore {
+impl View<'_> {
     fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
         let meta = self.meta()?;
         let messages = self.messages()?;
@@ -513,6 +640,7 @@ impl RocksStore {
             logged: WriteBatch::default(),
             unlogged: WriteBatch::default(),
             logged_written: false,
+            reclaim: Vec::new(),
         };
         // Bindings put earlier in this batch (a later delete in the batch must see them too).
         let mut added: Vec<BindingKey> = Vec::new();
@@ -630,23 +758,22 @@ impl RocksStore {
                 } => {
                     op.message_value_into(&mut value_buf);
                     let value = &value_buf;
-                    let batch = b.logged(self)?;
+                    // Writes pending spills first; then the logged batch and the reclaim list
+                    // are borrowed apart.
+                    b.logged(self)?;
+                    let (batch, reclaim) = (&mut b.logged, &mut b.reclaim);
                     if let [(q, level)] = &queues[..] {
                         let key = crate::message_key(*level, *id);
-                        batch.put_cf(
-                            &messages,
-                            message_key_in(&mut key_buf, vhost, q, key),
-                            value,
-                        );
+                        let k = message_key_in(&mut key_buf, vhost, q, key);
+                        keep_out_of_reclaim(reclaim, k);
+                        batch.put_cf(&messages, k, value);
                     } else if queues.len() > 1 {
                         batch.put_cf(&shared, id.to_be_bytes(), value);
                         for (q, level) in queues {
                             let key = crate::message_key(*level, *id);
-                            batch.put_cf(
-                                &messages,
-                                message_key_in(&mut key_buf, vhost, q, key),
-                                [SHARED_TAG],
-                            );
+                            let k = message_key_in(&mut key_buf, vhost, q, key);
+                            keep_out_of_reclaim(reclaim, k);
+                            batch.put_cf(&messages, k, [SHARED_TAG]);
                         }
                         self.refs().insert(*id, queues.len() as u32);
                     }
@@ -676,6 +803,7 @@ impl RocksStore {
                     vhost, queue, key, ..
                 } => {
                     let k = message_key_in(&mut key_buf, vhost, queue, *key);
+                    keep_out_of_reclaim(&mut b.reclaim, k);
                     let mut refs = self.refs();
                     let batch = b.unlogged(self)?;
                     // A body stored for other queues already: refer to it.
@@ -701,7 +829,38 @@ impl RocksStore {
                 }
             }
         }
-        b.finish(self, sync)
+        let reclaim = std::mem::take(&mut b.reclaim);
+        b.finish(self, sync)?;
+        if !reclaim.is_empty() {
+            self.reclaim(reclaim, sync);
+        }
+        Ok(())
+    }
+
+    /// Give back the space of key ranges this write deleted: table files holding nothing but
+    /// keys in a range are dropped now (no I/O); the rest is compacted in the background.
+    ///
+    /// Why dropping files is safe here: the write's range tombstones are synced (a crash
+    /// cannot bring the files' keys back; an unsynced write only queues the compaction), no
+    /// later op of the write put keys into the range (see `keep_out_of_reclaim`), and no other
+    /// write runs meanwhile (`Inner::writing`). The tombstones themselves are still in the
+    /// memtable: only a flush right now could put them in a file, and only the compaction
+    /// thread forces one (`compact_range` flushes a memtable that overlaps its range), so
+    /// files are dropped only while it is idle (`Jobs::compacting`). RocksDB never drops
+    /// level-0 files this way.
+    fn reclaim(&self, ranges: Vec<(Vec<u8>, Vec<u8>)>, synced: bool) {
+        if synced {
+            if let (Ok(_idle), Ok(messages)) =
+                (self.inner.jobs.compacting.try_lock(), self.messages())
+            {
+                for (from, to) in &ranges {
+                    if let Err(e) = self.db.delete_file_in_range_cf(&messages, from, to) {
+                        tracing::debug!(error = %e, "dropping the table files of a deleted range");
+                    }
+                }
+            }
+        }
+        self.inner.jobs.compact_later(ranges);
     }
 
     fn recover_all(&self) -> Result<Recovered, StoreError> {
@@ -737,6 +896,9 @@ impl RocksStore {
         let mut sizes: HashMap<u64, (u32, u64, bool)> = HashMap::new();
         for item in self.db.iterator_cf(&shared, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| self.err(e))?;
+            if *k == *SENTINEL {
+                continue;
+            }
             let id = self.message_key(&k)?;
             let m = MessageRecord::decode(Bytes::from(v.into_vec()))
                 .map_err(|e| self.corrupt(e.to_string()))?;
@@ -748,7 +910,8 @@ impl RocksStore {
         let mut summaries = Vec::new();
         let mut current: Option<Scan> = None;
         let mut cleanup = WriteBatch::default();
-        let mut orphan_prefixes: Vec<Vec<u8>> = Vec::new();
+        // Prefixes of queues without a definition, and how many messages each had.
+        let mut orphan_prefixes: Vec<(Vec<u8>, u64)> = Vec::new();
         let finish =
             |cur: Option<Scan>, summaries: &mut Vec<QueueSummary>| -> Result<(), StoreError> {
                 if let Some((prefix, true, entries)) = cur {
@@ -764,6 +927,9 @@ impl RocksStore {
             };
         for item in self.db.iterator_cf(&messages, IteratorMode::Start) {
             let (k, v) = item.map_err(|e| self.err(e))?;
+            if *k == *SENTINEL {
+                continue;
+            }
             if k.len() < 8 {
                 return Err(self.corrupt("bad message key".into()));
             }
@@ -775,7 +941,7 @@ impl RocksStore {
                 if !live {
                     // Messages of a queue whose definition is gone (a non-durable queue's
                     // spills, or a crash between a delete's two steps).
-                    orphan_prefixes.push(prefix.to_vec());
+                    orphan_prefixes.push((prefix.to_vec(), 0));
                 }
                 current = Some((prefix.to_vec(), live, Vec::new()));
             }
@@ -783,6 +949,9 @@ impl RocksStore {
                 continue;
             };
             if !*live {
+                if let Some((_, n)) = orphan_prefixes.last_mut() {
+                    *n += 1;
+                }
                 continue;
             }
             match MessageEntry::decode(Bytes::from(v.into_vec()))
@@ -811,7 +980,16 @@ impl RocksStore {
             }
         }
         finish(current.take(), &mut summaries)?;
-        for prefix in &orphan_prefixes {
+        let mut reclaim = Vec::new();
+        let mut orphans = Vec::new();
+        for (prefix, n) in &orphan_prefixes {
+            if let Ok((_, vhost, name)) = decode_entity_key(Bytes::copy_from_slice(prefix)) {
+                orphans.push((vhost, name, *n));
+            }
+            reclaim.push((
+                message_key_bytes(prefix, 0),
+                message_key_bytes(prefix, u64::MAX),
+            ));
             cleanup.delete_range_cf(
                 &messages,
                 message_key_bytes(prefix, 0),
@@ -833,6 +1011,10 @@ impl RocksStore {
         if !cleanup.is_empty() {
             self.commit(cleanup, true)?;
         }
+        if !reclaim.is_empty() {
+            self.reclaim(reclaim, true);
+        }
+        *lock(&self.inner.orphans) = orphans;
         Ok(Recovered {
             ops,
             queues: summaries,
@@ -889,7 +1071,7 @@ impl RocksStore {
     }
 }
 
-impl RocksStore {
+impl View<'_> {
     /// Delete the messages of the queue with key prefix `prefix` and keys in `from..=to` (a
     /// range tombstone: compaction reclaims the space), dropping the shared bodies they refer
     /// to.
@@ -920,6 +1102,10 @@ impl RocksStore {
                 message_key_bytes(prefix, to + 1),
             );
         }
+        b.reclaim.push((
+            message_key_bytes(prefix, from),
+            message_key_bytes(prefix, to),
+        ));
         Ok(())
     }
 }
@@ -962,12 +1148,16 @@ mod tests {
         let s = RocksStore::open(dir.path()).unwrap();
         s.write(&[declare("a"), declare("b"), fanned(1), fanned(2)], true)
             .unwrap();
-        // As if a Remove had failed after lowering the count.
-        s.refs().insert(1, 1);
-        s.recount_refs().unwrap();
-        assert_eq!(s.refs().get(&1), Some(&2));
-        // A body gone while references remain (what a too-low count would have caused).
-        s.db.delete_cf(&s.shared().unwrap(), 2u64.to_be_bytes())
+        s.inner
+            .with_view(|v| {
+                // As if a Remove had failed after lowering the count.
+                v.refs().insert(1, 1);
+                v.recount_refs()?;
+                assert_eq!(v.refs().get(&1), Some(&2));
+                // A body gone while references remain (what a too-low count would have caused).
+                v.db.delete_cf(&v.shared()?, 2u64.to_be_bytes()).unwrap();
+                Ok(())
+            })
             .unwrap();
         drop(s);
         let s = RocksStore::open(dir.path()).unwrap();
@@ -977,5 +1167,172 @@ mod tests {
         let got = s.read("/", "b", 0, u64::MAX, 10, usize::MAX).unwrap();
         assert_eq!(got.iter().map(|m| m.key).collect::<Vec<_>>(), vec![1]);
         assert_eq!(s.shared_bodies(), 1);
+    }
+
+    fn enqueue(queue: &str, id: u64, body: Bytes) -> Op {
+        Op::Enqueue {
+            vhost: "/".into(),
+            queues: vec![(queue.into(), 0)].into(),
+            id,
+            timestamp_ms: 0,
+            exchange: "".into(),
+            routing_key: "".into(),
+            properties: Bytes::from_static(&[0, 0]),
+            body: body.into(),
+        }
+    }
+
+    /// Bodies that do not compress away: a xorshift stream.
+    fn random_body(seed: u64, len: usize) -> Bytes {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        Bytes::from(
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    fn messages_files(s: &RocksStore) -> usize {
+        s.table_files()
+            .into_iter()
+            .find(|(cf, _)| cf == MESSAGES)
+            .map_or(0, |(_, n)| n)
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !done() {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    /// A deleted queue's space comes back without a manual compaction: its table files are
+    /// dropped or compacted in the background, and a queue stored beside it keeps every message.
+    #[test]
+    fn a_deleted_queues_table_files_are_reclaimed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        s.write(&[declare("big"), declare("other")], true).unwrap();
+        // 24 MiB in batches: a few memtable flushes.
+        for chunk in 0..48u64 {
+            let ops: Vec<Op> = (0..128)
+                .map(|i| {
+                    let id = chunk * 128 + i + 1;
+                    enqueue("big", id, random_body(id, 4096))
+                })
+                .collect();
+            s.write(&ops, true).unwrap();
+        }
+        s.write(&[enqueue("other", 1_000_000, random_body(7, 4096))], true)
+            .unwrap();
+        s.compact();
+        let full = s.sst_bytes();
+        assert!(full > 20 << 20, "{full} bytes stored");
+        s.write(
+            &[Op::DeleteQueue {
+                vhost: "/".into(),
+                name: "big".into(),
+            }],
+            true,
+        )
+        .unwrap();
+        wait_for("the deleted queue's space did not come back", || {
+            s.sst_bytes() < full / 100
+        });
+        let got = s.read("/", "other", 0, u64::MAX, 10, usize::MAX).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            got[0].body,
+            warren_protocol::Body::from(random_body(7, 4096))
+        );
+        assert!(s
+            .read("/", "big", 0, u64::MAX, 10, usize::MAX)
+            .unwrap()
+            .is_empty());
+        eprintln!(
+            "SST bytes: {full} with the queue, {} after its delete",
+            s.sst_bytes()
+        );
+        drop(s);
+        let s = RocksStore::open(dir.path()).unwrap();
+        let rec = s.recover().unwrap();
+        assert_eq!(rec.queues.len(), 1);
+        assert_eq!(rec.queues[0].name, "other");
+    }
+
+    /// One queue's keys only grow, so each flush is a file no other touches and level
+    /// compaction moves it down whole; with compressible bodies each is tiny. Such runs are
+    /// merged (here on demand; the background thread does it twice a second), and nothing is lost.
+    #[test]
+    fn runs_of_small_table_files_are_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        s.write(&[declare("q")], true).unwrap();
+        let zeros = Bytes::from(vec![0u8; 128 * 1024]);
+        let n = 2048u64;
+        let mut most = 0;
+        for chunk in 0..n / 32 {
+            let ops: Vec<Op> = (0..32)
+                .map(|i| enqueue("q", chunk * 32 + i + 1, zeros.clone()))
+                .collect();
+            s.write(&ops, true).unwrap();
+            most = most.max(messages_files(&s));
+        }
+        // Level 0 is level compaction's business (up to 3 files wait for a 4th there).
+        let below_level_0 = || {
+            s.inner
+                .with_view(|v| v.db.live_files().map_err(|e| v.err(e)))
+                .unwrap()
+                .iter()
+                .filter(|f| f.column_family_name == MESSAGES && f.level > 0)
+                .count()
+        };
+        wait_for("small files not merged", || {
+            s.merge_small_files();
+            below_level_0() <= 3
+        });
+        eprintln!(
+            "messages table files: at most {most} while writing, {} after merging ({} below level 0)",
+            messages_files(&s),
+            below_level_0()
+        );
+        let mut from = 0;
+        let mut seen = 0;
+        loop {
+            let got = s.read("/", "q", from, u64::MAX, 512, usize::MAX).unwrap();
+            let Some(last) = got.last() else { break };
+            from = last.key + 1;
+            seen += got.len() as u64;
+        }
+        assert_eq!(seen, n);
+    }
+
+    /// The store writes down what it fsynced, and refuses a store that ends before it.
+    #[test]
+    fn a_store_that_lost_confirmed_writes_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RocksStore::open(dir.path()).unwrap();
+        s.write(&[declare("a")], true).unwrap();
+        drop(s);
+        let confirmed = open::read_watermark(dir.path()).unwrap();
+        // As if a later confirmed write had been lost with the end of the log.
+        open::write_watermark(dir.path(), confirmed + 5).unwrap();
+        match RocksStore::open(dir.path()) {
+            Err(StoreError::Corrupt { detail, .. }) => {
+                assert!(
+                    detail.contains("writes confirmed to clients are missing"),
+                    "{detail}"
+                )
+            }
+            other => panic!("expected Corrupt, got {other:?}"),
+        }
+        open::write_watermark(dir.path(), confirmed).unwrap();
+        RocksStore::open(dir.path()).unwrap();
     }
 }
