@@ -530,6 +530,36 @@ impl Broker {
         total
     }
 
+    /// After requeues to queue `qid`: `Queue::after_requeue` (expiry, length limits, paging
+    /// out past the window), journaling a spill for each message it paged out that the store
+    /// does not hold yet; a queue that dropped messages is marked dirty.
+    fn after_requeue(&mut self, qid: QueueId, now: u64) {
+        let (stored_batch, spill_batch) = (self.journal_seq, self.journal_seq + 1);
+        let mut spills = Vec::new();
+        let Some(q) = self.queues.get_mut(&qid) else {
+            return;
+        };
+        if q.after_requeue(now, stored_batch, spill_batch, &mut spills) {
+            self.dirty.push(qid);
+        }
+        if q.pager.is_some() {
+            // The timer lets go of the paged-out messages once their batch is written.
+            self.staging.insert(qid);
+        }
+        for (key, msg) in spills {
+            self.journal.push(Op::Spill {
+                vhost: q.vhost.clone(),
+                queue: q.name.clone(),
+                key,
+                timestamp_ms: now,
+                exchange: msg.exchange.clone(),
+                routing_key: msg.routing_key.clone(),
+                properties: msg.raw_properties.clone(),
+                body: msg.body.clone(),
+            });
+        }
+    }
+
     /// Let go of staged messages the store has written (the server calls this on a timer, so
     /// a queue nobody touches does not keep them).
     pub fn release_written(&mut self) {
@@ -751,13 +781,7 @@ impl Broker {
                 }
             }
             for qid in touched {
-                if self
-                    .queues
-                    .get_mut(&qid)
-                    .is_some_and(|q| q.after_requeue(now))
-                {
-                    self.dirty.push(qid);
-                }
+                self.after_requeue(qid, now);
             }
             if self.cancel(*conn, *ch, tag, fx) {
                 fx.push(Effect::ConsumerCancelled {
@@ -962,13 +986,7 @@ impl Broker {
         touched.sort_unstable();
         touched.dedup();
         for &id in &touched {
-            if self
-                .queues
-                .get_mut(&id)
-                .is_some_and(|q| q.after_requeue(now))
-            {
-                self.dirty.push(id);
-            }
+            self.after_requeue(id, now);
         }
         for id in touched {
             self.after_consumer_change(id, fx);
@@ -2690,13 +2708,7 @@ impl Broker {
         }
         if requeue {
             for &id in &touched {
-                if self
-                    .queues
-                    .get_mut(&id)
-                    .is_some_and(|q| q.after_requeue(now))
-                {
-                    self.dirty.push(id);
-                }
+                self.after_requeue(id, now);
             }
         }
         self.dispatch_after_ack(conn, ch, touched, fx);

@@ -52,11 +52,18 @@ impl std::fmt::Debug for Pager {
 }
 
 /// One priority level of a queue. Its messages, in id order, are: `mem` (the head, in memory),
-/// then `disk_count` messages on disk with ids `disk_first..=disk_last` (only in the store),
-/// then `staged` (in memory until the journal batch that writes them to the store is written).
+/// then `returned` (requeued messages paged out past the window), then `disk_count` messages on
+/// disk with ids `disk_first..=disk_last` (only in the store), then `staged` (in memory until
+/// the journal batch that writes them to the store is written).
 #[derive(Debug, Default)]
 struct Level {
     mem: VecDeque<QueuedMessage>,
+    /// Requeued messages past the window, by id. They came from the head, so their ids are
+    /// below the disk range; but delivered messages still unacknowledged sit between them in
+    /// the store, so they are read back one key at a time (`Store::read_keys`), not as a range.
+    returned: VecDeque<Returned>,
+    /// Entries of `returned` still holding their message in memory.
+    returned_held: usize,
     disk_count: u64,
     disk_bytes: u64,
     disk_first: u64,
@@ -67,12 +74,32 @@ struct Level {
 
 impl Level {
     fn paged(&self) -> bool {
-        self.disk_count > 0 || !self.staged.is_empty()
+        self.disk_count > 0 || !self.staged.is_empty() || !self.returned.is_empty()
     }
 
     fn len(&self) -> usize {
-        self.mem.len() + self.disk_count as usize + self.staged.len()
+        self.mem.len() + self.returned.len() + self.disk_count as usize + self.staged.len()
     }
+}
+
+/// `Returned::batch` of a message requeued among the paged-out ones and not yet given a store
+/// write (`Queue::page_out_returned` gives it one).
+const UNASSIGNED: u64 = u64::MAX;
+
+/// A requeued message paged out of memory (see `Level::returned`): what the queue must know
+/// of it without its body.
+#[derive(Debug)]
+struct Returned {
+    id: u64,
+    size: u64,
+    returns: u32,
+    expires_at: Option<u64>,
+    /// The store has (or, once `batch` is written, will have) its record.
+    stored: bool,
+    /// The journal batch after whose write the store can give the message back.
+    batch: u64,
+    /// The message, kept until `batch` is written (or until it is delivered first).
+    msg: Option<Arc<Message>>,
 }
 
 /// A message waiting in (or delivered from) a queue.
@@ -410,7 +437,9 @@ impl Queue {
         for level in 0..self.levels.len() {
             self.release_written(level);
         }
-        self.levels.iter().any(|l| !l.staged.is_empty())
+        self.levels
+            .iter()
+            .any(|l| !l.staged.is_empty() || l.returned_held > 0)
     }
 
     /// More is staged in memory than a second window's worth: the store is behind the
@@ -426,6 +455,25 @@ impl Queue {
         };
         let written = pager.written.load(Ordering::Acquire);
         let l = &mut self.levels[level];
+        if l.returned_held > 0 {
+            // Paged-out requeued messages whose records are written leave memory.
+            let mut left = l.returned_held;
+            for r in l.returned.iter_mut() {
+                if left == 0 {
+                    break;
+                }
+                if r.msg.is_none() {
+                    continue;
+                }
+                left -= 1;
+                if r.batch != UNASSIGNED && r.batch <= written {
+                    r.msg = None;
+                    l.returned_held -= 1;
+                    self.mem_count -= 1;
+                    self.mem_bytes -= r.size;
+                }
+            }
+        }
         while l.staged.front().is_some_and(|(b, _)| *b <= written) {
             let Some((_, qm)) = l.staged.pop_front() else {
                 break;
@@ -447,6 +495,9 @@ impl Queue {
     /// staged ones. Called when the level's in-memory head is empty.
     fn refill(&mut self, level: usize) {
         self.release_written(level);
+        if !self.levels[level].returned.is_empty() {
+            return self.refill_returned(level);
+        }
         let l = &mut self.levels[level];
         if l.disk_count == 0 {
             // Staged but not yet written: they are in memory already, and next in line.
@@ -533,6 +584,163 @@ impl Queue {
         }
     }
 
+    /// Bring the next paged-out requeued messages back into memory (the head of `returned`):
+    /// those still held as they are, the others read from the store by key.
+    fn refill_returned(&mut self, level: usize) {
+        let l = &self.levels[level];
+        let mut take = 0;
+        let mut bytes = 0;
+        let mut keys = Vec::new();
+        for r in l.returned.iter() {
+            if take >= READ_MESSAGES || (bytes >= READ_BYTES as u64 && take > 0) {
+                break;
+            }
+            take += 1;
+            if r.msg.is_none() {
+                bytes += r.size;
+                keys.push(message_key(level as u8, r.id));
+            }
+        }
+        let mut read = Vec::new();
+        if !keys.is_empty() {
+            let Some(pager) = self.pager.clone() else {
+                return;
+            };
+            match pager.store.read_keys(&self.vhost, &self.name, &keys) {
+                Ok(r) => read = r,
+                Err(e) => {
+                    if let Some(unlogged) = self.read_errors.hit(std::time::Instant::now()) {
+                        tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading requeued messages back from the store failed; retrying");
+                    }
+                    self.read_failed = true;
+                    pager.read_failed.store(true, Ordering::Relaxed);
+                    return;
+                }
+            }
+        }
+        let mut read = read.into_iter();
+        for _ in 0..take {
+            let Some(r) = self.levels[level].returned.pop_front() else {
+                break;
+            };
+            let msg = match r.msg {
+                Some(msg) => {
+                    self.levels[level].returned_held -= 1;
+                    msg
+                }
+                None => {
+                    let stored = read.next().flatten().map(|m| {
+                        super::stored_message(&m.exchange, &m.routing_key, m.properties, m.body)
+                    });
+                    match stored {
+                        Some(Ok(msg)) => {
+                            self.mem_count += 1;
+                            self.mem_bytes += r.size;
+                            Arc::new(msg)
+                        }
+                        _ => {
+                            tracing::error!(queue = %self.name, id = r.id, "requeued message missing from the store or unreadable");
+                            self.lost += 1;
+                            self.count -= 1;
+                            self.ready_bytes -= r.size;
+                            continue;
+                        }
+                    }
+                }
+            };
+            self.levels[level].mem.push_back(QueuedMessage {
+                id: r.id,
+                msg,
+                redelivered: true,
+                expires_at: r.expires_at,
+                returns: r.returns,
+                stored: r.stored,
+            });
+        }
+    }
+
+    /// Page requeued messages past the window back to the store (issue 12: 200,000 requeued
+    /// messages stayed in memory): the tail of each level's in-memory head, lowest priority
+    /// first, moves to `returned` until the head is within the window. One the store does not
+    /// hold yet (transient, or in a queue that is not stored) goes to `spills` (its store key
+    /// and message) for the caller to journal as `Op::Spill` in journal batch `spill_batch`
+    /// (the one being built), and keeps its message until that batch is written; one the
+    /// store holds keeps it until batch `stored_batch` (the last one taken, which holds every
+    /// op journaled before) is written.
+    pub fn page_out_returned(
+        &mut self,
+        stored_batch: u64,
+        spill_batch: u64,
+        spills: &mut Vec<(u64, Arc<Message>)>,
+    ) {
+        if self.pager.is_none() {
+            return;
+        }
+        // Messages requeued among the paged-out ones (`requeue`) get this batch too.
+        for (level, l) in self.levels.iter_mut().enumerate() {
+            if l.returned_held == 0 {
+                continue;
+            }
+            for r in l.returned.iter_mut().filter(|r| r.batch == UNASSIGNED) {
+                r.batch = stored_batch;
+                if !r.stored {
+                    if let Some(msg) = &r.msg {
+                        spills.push((message_key(level as u8, r.id), msg.clone()));
+                        r.stored = true;
+                        r.batch = spill_batch;
+                    }
+                }
+            }
+        }
+        let mut head: usize = self.levels.iter().map(|l| l.mem.len()).sum();
+        if head <= WINDOW_MESSAGES && self.mem_bytes <= WINDOW_BYTES {
+            return;
+        }
+        // Bytes of the in-memory heads (without staged and held messages), counted only when
+        // the bytes may be what is over the window.
+        let mut head_bytes: u64 = if self.mem_bytes > WINDOW_BYTES {
+            self.levels
+                .iter()
+                .flat_map(|l| l.mem.iter())
+                .map(|m| m.msg.body.len() as u64)
+                .sum()
+        } else {
+            0
+        };
+        for level in 0..self.levels.len() {
+            let l = &mut self.levels[level];
+            while head > WINDOW_MESSAGES || head_bytes > WINDOW_BYTES {
+                let Some(qm) = l.mem.pop_back() else {
+                    break;
+                };
+                let size = qm.msg.body.len() as u64;
+                head -= 1;
+                head_bytes = head_bytes.saturating_sub(size);
+                let batch = if qm.stored {
+                    stored_batch
+                } else {
+                    spills.push((message_key(level as u8, qm.id), qm.msg.clone()));
+                    spill_batch
+                };
+                self.disk_may_expire |= qm.expires_at.is_some();
+                l.returned.push_front(Returned {
+                    id: qm.id,
+                    size,
+                    returns: qm.returns,
+                    expires_at: qm.expires_at,
+                    stored: true,
+                    batch,
+                    msg: Some(qm.msg),
+                });
+                l.returned_held += 1;
+                self.paged_out += 1;
+            }
+        }
+        if !spills.is_empty() {
+            self.spilled = true;
+        }
+    }
+
     /// What recovery found on disk for this queue: it stays there until read back. Ids up to
     /// `redeliver_upto` go out redelivered.
     pub fn restore(&mut self, levels: &[LevelSummary], redeliver_upto: u64) {
@@ -569,13 +777,35 @@ impl Queue {
                 return false;
             }
         }
-        self.ready_bytes += qm.msg.body.len() as u64;
+        let size = qm.msg.body.len() as u64;
+        self.ready_bytes += size;
         self.count += 1;
         self.mem_count += 1;
-        self.mem_bytes += qm.msg.body.len() as u64;
+        self.mem_bytes += size;
         let level = self.level(&qm.msg);
-        // Its id is below anything on disk or staged (it came from the head).
-        let l = &mut self.levels[level].mem;
+        // Its id is below anything on disk or staged (it came from the head), but it may be
+        // above requeued messages paged out before: then it goes among them, and
+        // `page_out_returned` gives it a store write.
+        let l = &mut self.levels[level];
+        if l.returned.front().is_some_and(|r| r.id < qm.id) {
+            let pos = l.returned.partition_point(|r| r.id < qm.id);
+            self.disk_may_expire |= qm.expires_at.is_some();
+            l.returned.insert(
+                pos,
+                Returned {
+                    id: qm.id,
+                    size,
+                    returns: qm.returns,
+                    expires_at: qm.expires_at,
+                    stored: qm.stored,
+                    batch: UNASSIGNED,
+                    msg: Some(qm.msg),
+                },
+            );
+            l.returned_held += 1;
+            return true;
+        }
+        let l = &mut l.mem;
         match l.front() {
             Some(first) if first.id < qm.id => {
                 let pos = l.partition_point(|m| m.id < qm.id);
@@ -588,13 +818,21 @@ impl Queue {
 
     /// After requeues, as in RabbitMQ: what expired meanwhile leaves from the head (a TTL-0
     /// message does not come back), and x-max-length / x-max-length-bytes apply again
-    /// (drop-head, oldest first). Returns whether anything left for `dropped` (the caller
-    /// dead-letters it).
-    pub fn after_requeue(&mut self, now: u64) -> bool {
+    /// (drop-head, oldest first). Then what is past the window pages out
+    /// (`page_out_returned`, which see for the batches and `spills`). Returns whether
+    /// anything left for `dropped` (the caller dead-letters it).
+    pub fn after_requeue(
+        &mut self,
+        now: u64,
+        stored_batch: u64,
+        spill_batch: u64,
+        spills: &mut Vec<(u64, Arc<Message>)>,
+    ) -> bool {
         let mut gone = self.drop_expired(now);
         if self.overflow == Overflow::DropHead {
             gone += self.trim_to_limits();
         }
+        self.page_out_returned(stored_batch, spill_batch, spills);
         gone > 0
     }
 
@@ -653,6 +891,24 @@ impl Queue {
     pub fn remove_ready(&mut self, ids: &[u64]) {
         let mut gone = Vec::new();
         for l in self.levels.iter_mut() {
+            let (mut n, mut bytes, mut held, mut held_bytes) = (0, 0, 0, 0);
+            l.returned.retain(|r| {
+                let keep = !ids.contains(&r.id);
+                if !keep {
+                    n += 1;
+                    bytes += r.size;
+                    if r.msg.is_some() {
+                        held += 1;
+                        held_bytes += r.size;
+                    }
+                }
+                keep
+            });
+            l.returned_held -= held;
+            self.count -= n;
+            self.ready_bytes -= bytes;
+            self.mem_count -= held;
+            self.mem_bytes -= held_bytes;
             l.mem.retain(|m| {
                 let keep = !ids.contains(&m.id);
                 if !keep {
@@ -724,7 +980,7 @@ impl Queue {
         self.levels.iter().any(|l| {
             l.mem.iter().any(|m| m.expires_at.is_some())
                 || l.staged.iter().any(|(_, m)| m.expires_at.is_some())
-                || (self.disk_may_expire && l.disk_count > 0)
+                || (self.disk_may_expire && (l.disk_count > 0 || !l.returned.is_empty()))
         })
     }
 
@@ -750,6 +1006,9 @@ impl Queue {
             let l = &self.levels[level];
             for m in l.mem.iter().filter(|m| m.stored) {
                 keys.push(message_key(level as u8, m.id));
+            }
+            for r in l.returned.iter().filter(|r| r.stored) {
+                keys.push(message_key(level as u8, r.id));
             }
             let first = if l.disk_count > 0 {
                 Some(l.disk_first)

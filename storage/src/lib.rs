@@ -124,6 +124,22 @@ pub trait Store: Send + Sync {
         max_count: usize,
         max_bytes: usize,
     ) -> Result<Vec<StoredMessage>, StoreError>;
+
+    /// The messages of a queue with these keys, in the order given (None for a key the store
+    /// does not hold): point reads, for messages whose neighbours by key are not wanted.
+    fn read_keys(
+        &self,
+        vhost: &str,
+        queue: &str,
+        keys: &[u64],
+    ) -> Result<Vec<Option<StoredMessage>>, StoreError> {
+        keys.iter()
+            .map(|&k| {
+                self.read(vhost, queue, k, k, 1, usize::MAX)
+                    .map(|v| v.into_iter().next().filter(|m| m.key == k))
+            })
+            .collect()
+    }
 }
 
 impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
@@ -146,6 +162,15 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
     ) -> Result<Vec<StoredMessage>, StoreError> {
         (**self).read(vhost, queue, from, to, max_count, max_bytes)
     }
+
+    fn read_keys(
+        &self,
+        vhost: &str,
+        queue: &str,
+        keys: &[u64],
+    ) -> Result<Vec<Option<StoredMessage>>, StoreError> {
+        (**self).read_keys(vhost, queue, keys)
+    }
 }
 
 impl<T: Store + ?Sized> Store for Box<T> {
@@ -167,5 +192,14 @@ impl<T: Store + ?Sized> Store for Box<T> {
         max_bytes: usize,
     ) -> Result<Vec<StoredMessage>, StoreError> {
         (**self).read(vhost, queue, from, to, max_count, max_bytes)
+    }
+
+    fn read_keys(
+        &self,
+        vhost: &str,
+        queue: &str,
+        keys: &[u64],
+    ) -> Result<Vec<Option<StoredMessage>>, StoreError> {
+        (**self).read_keys(vhost, queue, keys)
     }
 }

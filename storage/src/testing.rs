@@ -348,6 +348,22 @@ fn levels_spills_and_ranges(open: &dyn Fn() -> Box<dyn Store>) {
     assert_eq!(s.read("/", "p", 0, u64::MAX, 1, 1000).unwrap().len(), 1);
     assert_eq!(s.read("/", "p", 0, u64::MAX, 100, 1).unwrap().len(), 1);
     assert_eq!(s.read("/", "p", 0, 2, 100, 1000).unwrap().len(), 1);
+    // Point reads, in the order asked, None where there is nothing (4 is another queue's).
+    let bodies: Vec<Option<String>> = s
+        .read_keys("/", "p", &[message_key(2, 1), 4, 3, 2])
+        .unwrap()
+        .into_iter()
+        .map(|m| m.map(|m| String::from_utf8_lossy(&m.body.to_bytes()).into_owned()))
+        .collect();
+    assert_eq!(
+        bodies,
+        vec![
+            Some("high".to_string()),
+            None,
+            Some("spilled-low".to_string()),
+            Some("low".to_string())
+        ]
+    );
     // A range within a level.
     s.write(
         &[Op::RemoveRange {
