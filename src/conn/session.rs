@@ -458,11 +458,16 @@ impl Session {
     /// A defect (a caught panic) ends the connection: connection.close 541 INTERNAL_ERROR.
     /// Replies held for a commit are dropped, not sent: nobody will release them now.
     pub fn internal_error(&mut self) {
+        self.internal_error_with("INTERNAL_ERROR");
+    }
+
+    /// Like `internal_error`, with this reply text.
+    pub fn internal_error_with(&mut self, text: &str) {
         if self.phase == Phase::Closed {
             return;
         }
         self.outbox.abandon_held();
-        let e = AmqpError::connection(ReplyCode::InternalError, "INTERNAL_ERROR");
+        let e = AmqpError::connection(ReplyCode::InternalError, text);
         self.outbox.method(0, &e.close_method());
         self.phase = Phase::Closing;
     }
@@ -541,9 +546,10 @@ impl Session {
     /// The committer finished `done.ticket` (and everything this connection submitted before).
     pub fn on_commit(&mut self, done: Done) {
         if !done.ok && self.outbox.is_held() {
-            // A declaration the client was about to be told is durable is not: drop the
-            // connection rather than send that reply.
-            self.outbox.close_after_flush();
+            // A declaration the client was about to be told is durable is not: that reply is
+            // never sent, and the connection closes with 541 (issue 12: it used to close with
+            // no frame at all, which clients report as a lost socket).
+            self.internal_error_with("INTERNAL_ERROR - the store failed to write a change");
         } else {
             self.outbox.release(done.ticket);
         }

@@ -188,6 +188,11 @@ async fn a_store_stopped_by_a_failed_write_takes_writes_again_without_a_restart(
     let mut b = spawn_limited(data, 1024).await;
     let pid = b.child.id();
     let (conn, ch) = confirming(&b.url, "stopped").await;
+    // Connected before the limit drops (a new socket could not be accepted under it).
+    let declarer = lapin::Connection::connect(&b.url, Default::default())
+        .await
+        .unwrap();
+    let dch = declarer.create_channel().await.unwrap();
     let prlimit = |soft: usize| {
         let status = std::process::Command::new("prlimit")
             .args(["--pid", &pid.to_string(), &format!("--nofile={soft}:1024")])
@@ -234,6 +239,20 @@ async fn a_store_stopped_by_a_failed_write_takes_writes_again_without_a_restart(
     .await;
     assert!(n > 0, "confirmed at the limit ({a} acks)?");
     acked += a;
+    // A durable declare that cannot be stored gets no declare-ok, but a connection.close 541
+    // (it used to lose the socket without a frame).
+    let refused = dch
+        .queue_declare(
+            "never-stored".into(),
+            lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .expect_err("declare-ok for a declaration the store did not write");
+    assert_eq!(crate::common::reply_code(&refused), Some(541), "{refused}");
     // The cause goes: confirmed again, same process.
     prlimit(1024);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
