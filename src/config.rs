@@ -40,6 +40,9 @@ pub struct Config {
     /// binary starts): a queue.declare of this name panics inside the broker lock, so tests can
     /// show a defect in one connection leaks nothing. No client input can turn it on.
     pub panic_on_declare: Option<String>,
+    /// Test hook, never set by the binary: every synced store write takes this much longer (a
+    /// slow disk), so tests can show that no reply waiting for an fsync leaves before it.
+    pub sync_delay: Option<Duration>,
     /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
     /// the process's file descriptor limit (`server::default_connection_max`).
     pub connection_max: Option<usize>,
@@ -70,6 +73,7 @@ impl Default for Config {
             disk_free_limit: 50_000_000,
             management_listen: None,
             panic_on_declare: None,
+            sync_delay: None,
             connection_max: None,
             vm_memory_high_watermark: Default::default(),
             recover_damaged: false,

@@ -58,6 +58,51 @@ pub fn socket_budget(store_files: u64) -> usize {
     soft.saturating_sub(store_files + OWN_FILES).max(1) as usize
 }
 
+/// Test hook (`Config::sync_delay`): a store whose synced writes take `delay` longer.
+struct SlowSync {
+    inner: Arc<dyn warren_storage::Store>,
+    delay: std::time::Duration,
+}
+
+impl warren_storage::Store for SlowSync {
+    fn write(
+        &self,
+        ops: &[warren_storage::Op],
+        sync: bool,
+    ) -> Result<(), warren_storage::StoreError> {
+        if sync {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.write(ops, sync)
+    }
+
+    fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
+        self.inner.recover()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<warren_storage::StoredMessage>, warren_storage::StoreError> {
+        self.inner
+            .read(vhost, queue, from, to, max_count, max_bytes)
+    }
+
+    fn read_keys(
+        &self,
+        vhost: &str,
+        queue: &str,
+        keys: &[u64],
+    ) -> Result<Vec<Option<warren_storage::StoredMessage>>, warren_storage::StoreError> {
+        self.inner.read_keys(vhost, queue, keys)
+    }
+}
+
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
 /// in the order they were made (the lock orders them).
 pub struct BrokerGuard<'a> {
@@ -176,7 +221,13 @@ impl Shared {
         info!(definitions, messages, path = %path.display(), "recovered");
         let store_files =
             store.max_open_files() as u64 + warren_storage::rocks::open::STORE_OTHER_FILES;
-        let store: Arc<dyn warren_storage::Store> = Arc::new(store);
+        let store: Arc<dyn warren_storage::Store> = match config.sync_delay {
+            Some(delay) => Arc::new(SlowSync {
+                inner: Arc::new(store),
+                delay,
+            }),
+            None => Arc::new(store),
+        };
         let committer = Committer::start(store.clone());
         broker.set_pager(crate::broker::queue::Pager {
             store,

@@ -42,6 +42,8 @@ pub struct Outbox {
 #[derive(Debug, Default)]
 struct Hold {
     active: bool,
+    /// Begun (`hold_begin`) and not yet given its ticket: nothing releases it meanwhile.
+    pending: bool,
     from: usize,
     ticket: u64,
 }
@@ -134,30 +136,53 @@ impl Outbox {
         }
     }
 
-    /// Current buffered length (a position for `hold_from`).
-    pub(crate) fn position(&self) -> usize {
-        self.buf.lock().len()
-    }
-
-    /// Keep bytes from `position` on (and anything after) unwritten until commit `ticket` is
-    /// done: a durable declare-ok must not reach the client before the declaration is on disk.
-    pub(crate) fn hold_from(&self, position: usize, ticket: u64) {
+    /// Keep everything pushed from now on unwritten, until `hold_end` says which commit it
+    /// waits for: a durable declare-ok must not reach the client before the declaration is on
+    /// disk. Call it before the reply is pushed, under the broker lock (so that nothing else
+    /// pushes to this outbox in between): the hold then starts at the reply or before it,
+    /// whatever the writer takes meanwhile. (Registering the hold after the push, at a
+    /// position read before it, let a busy writer send the reply first: issue 13 point 7.)
+    /// Returns whether this began a new hold (rather than extending one already waiting).
+    pub(crate) fn hold_begin(&self) -> bool {
         let mut held = self.held.lock();
         if held.active {
-            held.ticket = held.ticket.max(ticket);
-        } else {
-            *held = Hold {
-                active: true,
-                from: position,
-                ticket,
-            };
+            held.pending = true;
+            return false;
+        }
+        let from = self.buf.lock().len();
+        *held = Hold {
+            active: true,
+            pending: true,
+            from,
+            ticket: 0,
+        };
+        true
+    }
+
+    /// The replies pushed since `hold_begin` wait for commit `ticket`; with None (nothing was
+    /// journaled), a hold `hold_begin` began is lifted (`began`), one that was already
+    /// waiting keeps waiting for its own commit.
+    pub(crate) fn hold_end(&self, began: bool, ticket: Option<u64>) {
+        let mut held = self.held.lock();
+        if !held.active {
+            return;
+        }
+        held.pending = false;
+        match ticket {
+            Some(t) => held.ticket = held.ticket.max(t),
+            None if began => {
+                *held = Hold::default();
+                drop(held);
+                self.wake.notify_one();
+            }
+            None => {}
         }
     }
 
     /// Commit `ticket` is durable: release a hold that waited for it (or an earlier one).
     pub(crate) fn release(&self, ticket: u64) {
         let mut held = self.held.lock();
-        if held.active && held.ticket <= ticket {
+        if held.active && !held.pending && held.ticket <= ticket {
             *held = Hold::default();
             drop(held);
             self.wake.notify_one();

@@ -182,11 +182,26 @@ pub(crate) fn core_durable<R>(
     outbox: &Outbox,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let position = outbox.position();
-    let r = core(shared, ctx, f);
-    if let Some(ticket) = ctx.last_ticket {
-        outbox.hold_from(position, ticket);
-    }
+    core_durable_after(shared, ctx, outbox, None, f)
+}
+
+/// Like [`core_durable`], for a reply that also waits for an earlier commit (`after`): a
+/// tx.commit-ok waits for the publishes the commit routed in earlier calls.
+pub(crate) fn core_durable_after<R>(
+    shared: &Shared,
+    ctx: &mut CoreCtx,
+    outbox: &Outbox,
+    after: Option<u64>,
+    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
+) -> R {
+    let mut broker = shared.lock_notify(Some(ctx.notify.clone()));
+    broker.set_clock(now_ms());
+    // Inside the lock and before `f` pushes the reply (see `Outbox::hold_begin`).
+    let began = outbox.hold_begin();
+    let r = f(&mut broker, &mut ctx.fx);
+    shared.apply_effects(&mut ctx.fx);
+    ctx.last_ticket = broker.flush().max(after);
+    outbox.hold_end(began, ctx.last_ticket);
     r
 }
 

@@ -1,6 +1,6 @@
 //! tx class: select, commit, rollback. Publishes and acks wait in the channel until commit.
 
-use crate::conn::session::{core, Session, Tx};
+use crate::conn::session::{core, core_durable_after, Session, Tx};
 use amq_protocol::protocol::tx::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -24,15 +24,21 @@ impl Session {
             }
             M::Commit(_) => {
                 let work = self.take_tx(ch)?;
+                // As in RabbitMQ, commit-ok means the committed publishes and acks are on disk
+                // (it used to be sent before their fsync): it waits for the latest commit
+                // ticket of the routing calls and of the commit itself.
+                let mut routed = None;
                 for (msg, mandatory) in work.publishes {
                     let _ = self.route_message(ch, msg, mandatory)?;
+                    routed = routed.max(self.ctx.last_ticket);
                 }
                 let conn = self.conn;
-                core(&self.shared, &mut self.ctx, |b, fx| {
-                    b.tx_commit(conn, ch, fx)
+                let outbox = self.outbox.clone();
+                core_durable_after(&self.shared, &mut self.ctx, &outbox, routed, |b, fx| {
+                    b.tx_commit(conn, ch, fx)?;
+                    outbox.method(ch, &AMQPClass::Tx(M::CommitOk(tx::CommitOk {})));
+                    Ok::<(), AmqpError>(())
                 })?;
-                self.outbox
-                    .method(ch, &AMQPClass::Tx(M::CommitOk(tx::CommitOk {})));
                 Ok(())
             }
             M::Rollback(_) => {
