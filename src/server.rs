@@ -194,6 +194,8 @@ impl Shared {
         let recovered = warren_storage::Store::recover(&store)
             .with_context(|| format!("reading the store in {}", path.display()))?;
         let mut broker = Broker::new();
+        // Replayed declarations of queues with x-expires count their lease from now.
+        broker.set_clock(crate::conn::session::now_ms());
         let mut fx = Vec::new();
         for op in &recovered.ops {
             broker

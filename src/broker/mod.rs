@@ -1105,6 +1105,12 @@ impl Broker {
                         arguments,
                     );
                     q.pager = self.pager.clone();
+                    // x-expires counts from the declaration, or from the restart that replays
+                    // it (recovery used to leave durable queues with x-expires for ever).
+                    q.last_used = self.now_ms;
+                    if q.expires.is_some() {
+                        self.expirable.insert(id);
+                    }
                     self.queues.insert(id, q);
                 }
             }
@@ -1551,13 +1557,6 @@ impl Broker {
             fx,
         )?;
         let id = self.queue_id(vhost, &name)?;
-        let now = self.now_ms;
-        if let Some(q) = self.queues.get_mut(&id) {
-            q.last_used = now;
-            if q.expires.is_some() {
-                self.expirable.insert(id);
-            }
-        }
         if d.exclusive {
             if let Some(q) = self.queues.get_mut(&id) {
                 q.owner = Some(conn);

@@ -646,3 +646,50 @@ async fn tx_commit_ok_waits_for_the_fsync_of_what_it_committed() {
         "a commit of a transient message waited {took:?}"
     );
 }
+
+/// A durable queue with x-expires still expires after a restart (its lease counts from the
+/// restart, as in RabbitMQ); recovery used to replay its declaration without the expiry, so it
+/// stayed for ever.
+#[tokio::test]
+async fn a_durable_queue_with_x_expires_still_expires_after_a_restart() {
+    let server = TestServer::start().await;
+    {
+        let conn = server.connect().await;
+        let ch = conn.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-expires".into(), AMQPValue::LongInt(1500));
+        ch.queue_declare(
+            "leased".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    let server = server.restart().await;
+    let passive = |ch: lapin::Channel| async move {
+        ch.queue_declare(
+            "leased".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+    };
+    let conn = server.connect().await;
+    // Not gone at once: the lease starts again at the restart.
+    passive(conn.create_channel().await.unwrap())
+        .await
+        .expect("the queue is there right after the restart");
+    tokio::time::sleep(std::time::Duration::from_millis(2500)).await;
+    let err = passive(conn.create_channel().await.unwrap())
+        .await
+        .expect_err("the queue outlived its x-expires after a restart");
+    assert_eq!(reply_code(&err), Some(404));
+}
