@@ -1,17 +1,22 @@
 //! Warren: an AMQP 0-9-1 message broker.
 //!
 //! `broker` is the I/O-free core; `conn` and `handlers` speak the protocol on a socket;
-//! `server` accepts connections and owns shared state.
+//! `http` is the management API; `registry` lists the connections (what `http` shows and
+//! closes); `auth` is the login check both use; `server` accepts connections and owns shared
+//! state.
 
+mod auth;
 pub mod broker;
+mod clock;
 pub mod commit;
 pub mod config;
 pub mod conn;
 mod handlers;
+pub mod http;
 pub mod log_limit;
 pub mod memory;
-pub mod mgmt;
 pub mod perf;
+pub mod registry;
 pub mod server;
 
 pub use config::Config;

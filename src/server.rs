@@ -4,6 +4,7 @@ use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::{Committer, Done};
 use crate::config::Config;
 use crate::conn::{self, outbox::Outbox};
+use crate::registry::Registry;
 use amq_protocol::protocol::{basic, AMQPClass};
 use parking_lot::{Mutex, RwLock};
 use std::future::Future;
@@ -34,7 +35,7 @@ pub struct Shared {
     /// connections wait on it as on the disk alarm.
     pub memory_alarm: watch::Sender<bool>,
     /// Every client connection past its protocol header, by name (the management API).
-    pub connections: RwLock<std::collections::BTreeMap<String, Arc<crate::mgmt::ConnInfo>>>,
+    pub registry: Registry,
     /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
     /// or a share of the process's descriptor limit (`default_connection_max`).
     pub connection_max: usize,
@@ -161,7 +162,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
-            connections: Default::default(),
+            registry: Registry::default(),
             max_connections: socket_budget(0),
         })
     }
@@ -248,7 +249,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
-            connections: Default::default(),
+            registry: Registry::default(),
             max_connections: socket_budget(store_files),
         }))
     }
@@ -479,7 +480,7 @@ pub async fn serve(
             loop {
                 tick.tick().await;
                 let mut broker = shared.lock();
-                broker.set_clock(crate::conn::session::now_ms());
+                broker.set_clock(crate::clock::now_ms());
                 let mut fx = Vec::new();
                 broker.expire(&mut fx);
                 broker.release_written();
@@ -497,7 +498,7 @@ pub async fn serve(
         Some(addr) => match bind_dual(addr).await {
             Ok(l) => {
                 info!(addr = %l.local_addr()?, "serving the management API");
-                Some(tokio::spawn(crate::mgmt::serve(l, shared.clone())))
+                Some(tokio::spawn(crate::http::serve(l, shared.clone())))
             }
             Err(e) => {
                 warn!(error = %e, %addr, "management API not served");

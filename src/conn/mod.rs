@@ -5,6 +5,7 @@ pub mod outbox;
 pub mod session;
 
 use crate::broker::DELIVERY_BUDGET;
+use crate::registry::ConnInfo;
 use crate::server::Shared;
 use futures::{FutureExt, StreamExt};
 use outbox::Outbox;
@@ -57,15 +58,8 @@ pub async fn serve(
     }
 
     // Listed by the management API from here to the end of the connection.
-    let info = Arc::new(crate::mgmt::ConnInfo::new(peer, local));
-    shared
-        .connections
-        .write()
-        .insert(info.name.clone(), info.clone());
-    let _listed = Unlist {
-        shared: &shared,
-        name: &info.name,
-    };
+    let info = Arc::new(ConnInfo::new(peer, local));
+    let _listed = shared.registry.register(info.clone());
     let outbox = Arc::new(Outbox::new(shared.config.frame_max));
     let writer_done = CancellationToken::new();
     let writer = tokio::spawn(write_loop(
@@ -136,7 +130,7 @@ async fn read_loop(
     rd: tokio::net::tcp::OwnedReadHalf,
     shared: &Arc<Shared>,
     outbox: &Arc<Outbox>,
-    info: &Arc<crate::mgmt::ConnInfo>,
+    info: &Arc<ConnInfo>,
     writer_done: &CancellationToken,
     stop: &mut watch::Receiver<bool>,
     mut commit_rx: tokio::sync::mpsc::UnboundedReceiver<crate::commit::Done>,
@@ -211,7 +205,7 @@ async fn read_loop(
                 notified.as_mut().enable();
                 {
                     let mut broker = shared.broker.lock();
-                    broker.set_clock(session::now_ms());
+                    broker.set_clock(crate::clock::now_ms());
                     if !broker.holding(session.conn, &hold) {
                         break;
                     }
@@ -343,18 +337,6 @@ async fn read_loop(
 /// Whether a resource alarm (disk or memory) is raised: publishers wait while one is.
 fn alarmed(disk: &watch::Receiver<bool>, memory: &watch::Receiver<bool>) -> bool {
     *disk.borrow() || *memory.borrow()
-}
-
-/// Takes a connection off the management API's list when its task ends, however it ends.
-struct Unlist<'a> {
-    shared: &'a Shared,
-    name: &'a str,
-}
-
-impl Drop for Unlist<'_> {
-    fn drop(&mut self) {
-        self.shared.connections.write().remove(self.name);
-    }
 }
 
 /// Whether the read buffer holds at least one whole frame (else we are at the end of what the

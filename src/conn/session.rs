@@ -2,6 +2,7 @@
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
 use crate::broker::{Broker, ConnId, Effect};
+use crate::clock::now_ms;
 use crate::commit::Done;
 use crate::conn::outbox::Outbox;
 use crate::server::Shared;
@@ -149,7 +150,7 @@ pub struct Session {
     /// The client understands connection.blocked / unblocked (capability).
     pub(crate) blocked_capability: bool,
     /// What the management API shows of this connection.
-    pub(crate) info: Option<Arc<crate::mgmt::ConnInfo>>,
+    pub(crate) info: Option<Arc<crate::registry::ConnInfo>>,
     /// Body bytes received for contents not yet complete, across channels (an upper bound;
     /// see `check_unfinished`).
     pub(crate) unfinished: u64,
@@ -203,13 +204,6 @@ pub(crate) fn core_durable_after<R>(
     ctx.last_ticket = broker.flush().max(after);
     outbox.hold_end(began, ctx.last_ticket);
     r
-}
-
-/// Wall-clock milliseconds since the epoch (message TTLs count in these).
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Session {

@@ -1,5 +1,6 @@
 //! connection class: start / start-ok, tune / tune-ok, open, close, blocked, update-secret.
 
+use crate::auth::login_allowed;
 use crate::conn::session::{core, Next, Phase, Session};
 use amq_protocol::protocol::connection::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
@@ -88,31 +89,6 @@ fn credentials(mechanism: &str, response: &[u8]) -> Option<(String, String)> {
         }
         _ => None,
     }
-}
-
-/// Whether these credentials may log in from `ip`: a stored user with the right password, and
-/// users in `loopback_users` (guest by default) only from a loopback address, as RabbitMQ.
-pub(crate) fn login_allowed(
-    shared: &crate::Shared,
-    user: &str,
-    pass: &str,
-    ip: std::net::IpAddr,
-) -> bool {
-    // The hash is checked outside the broker lock.
-    let hash = shared
-        .broker
-        .lock()
-        .user(user)
-        .map(|u| u.password_hash.clone());
-    hash.is_some_and(|h| crate::broker::users::password_matches(&h, pass))
-        && from_allowed_address(&shared.config, user, ip)
-}
-
-/// The `loopback_users` rule: those users only from a loopback address.
-fn from_allowed_address(config: &crate::Config, user: &str, ip: std::net::IpAddr) -> bool {
-    let loopback_only = config.loopback_users.iter().any(|u| u == user);
-    // An IPv4 client of a dual-stack listener arrives as ::ffff:a.b.c.d.
-    !loopback_only || ip.to_canonical().is_loopback()
 }
 
 impl Session {
@@ -379,31 +355,7 @@ impl Session {
 
 #[cfg(test)]
 mod tests {
-    use super::{credentials, from_allowed_address};
-
-    #[test]
-    fn guest_only_from_loopback() {
-        let config = crate::Config::default();
-        let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
-        let lo6: std::net::IpAddr = "::1".parse().unwrap();
-        let remote: std::net::IpAddr = "192.0.2.7".parse().unwrap();
-        assert!(from_allowed_address(&config, "guest", lo));
-        assert!(from_allowed_address(&config, "guest", lo6));
-        // 127.0.0.1 through a dual-stack ([::]) listener.
-        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
-        assert!(from_allowed_address(&config, "guest", mapped));
-        let mapped_remote: std::net::IpAddr = "::ffff:10.1.2.3".parse().unwrap();
-        assert!(!from_allowed_address(&config, "guest", mapped_remote));
-        assert!(!from_allowed_address(&config, "guest", remote));
-        // Any other user (a default user among them) from anywhere.
-        assert!(from_allowed_address(&config, "app", remote));
-        assert!(from_allowed_address(&config, "app", mapped_remote));
-        let open = crate::Config {
-            loopback_users: vec![],
-            ..Default::default()
-        };
-        assert!(from_allowed_address(&open, "guest", remote));
-    }
+    use super::credentials;
 
     #[test]
     fn plain_and_amqplain() {

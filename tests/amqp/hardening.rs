@@ -107,7 +107,7 @@ async fn a_panic_in_a_connection_task_closes_it_with_541_and_leaks_nothing() {
         .unwrap()
         .expect("a message");
     assert_eq!(got.delivery.data, b"two");
-    assert_eq!(server.shared.connections.read().len(), 2);
+    assert_eq!(server.shared.registry.len(), 2);
 
     let e = tokio::time::timeout(
         WAIT,
@@ -155,7 +155,7 @@ async fn a_panic_in_a_connection_task_closes_it_with_541_and_leaks_nothing() {
     // ... and it is gone from the registries (what the management API counts and lists).
     let shared = server.shared.clone();
     eventually("the registries forget the connection", move || {
-        shared.connections.read().len() == 1 && shared.outboxes.read().len() == 1
+        shared.registry.len() == 1 && shared.outboxes.read().len() == 1
     })
     .await;
     assert_eq!(server.shared.broker.lock().connection_totals().0, 1);

@@ -1,0 +1,122 @@
+//! `/api/exchanges`: list, show, declare (PUT) and delete exchanges.
+
+use super::json::{arguments, body_object, flag, table_json};
+use super::{bad_request, change, in_vhost, no_content, not_found, Api, DeleteQuery};
+use crate::broker::{ExchangeDeclare, ExchangeView};
+use crate::server::Shared;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use warren_protocol::reply::{AmqpError, ReplyCode};
+
+fn exchange_json(x: &ExchangeView) -> Value {
+    json!({
+        "name": x.name,
+        "vhost": x.vhost,
+        "type": x.kind,
+        "durable": x.durable,
+        "auto_delete": x.auto_delete,
+        "internal": x.internal,
+        "arguments": table_json(&x.arguments),
+    })
+}
+
+fn exchange_list(shared: &Shared, vhost: Option<&str>) -> Response {
+    let list = shared.broker.lock().exchange_views(vhost);
+    Json(Value::Array(list.iter().map(exchange_json).collect())).into_response()
+}
+
+pub(super) async fn exchanges_all(State(shared): Api) -> Response {
+    exchange_list(&shared, None)
+}
+
+pub(super) async fn exchanges_in(State(shared): Api, Path(vhost): Path<String>) -> Response {
+    in_vhost(&shared, &vhost, exchange_list)
+}
+
+pub(super) async fn exchange(
+    State(shared): Api,
+    Path((vhost, name)): Path<(String, String)>,
+) -> Response {
+    let list = shared.broker.lock().exchange_views(Some(&vhost));
+    match list.iter().find(|x| x.name == name) {
+        Some(x) => Json(exchange_json(x)).into_response(),
+        None => not_found(),
+    }
+}
+
+/// PUT /api/exchanges/{vhost}/{name}: declare (201 when created, 204 when it was there).
+pub(super) async fn put_exchange(
+    State(shared): Api,
+    Path((vhost, name)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    // RabbitMQ makes a direct exchange when no type is given.
+    let kind = match m.get("type") {
+        None | Some(Value::Null) => "direct".to_string(),
+        Some(Value::String(k)) => k.clone(),
+        Some(_) => return bad_request("type must be a string"),
+    };
+    let declare = (|| {
+        Ok::<_, String>(ExchangeDeclare {
+            name: name.clone(),
+            kind,
+            passive: false,
+            durable: flag(&m, "durable", false)?,
+            auto_delete: flag(&m, "auto_delete", false)?,
+            internal: flag(&m, "internal", false)?,
+            arguments: arguments(&m)?,
+        })
+    })();
+    let declare = match declare {
+        Ok(d) => d,
+        Err(reason) => return bad_request(&reason),
+    };
+    if name.is_empty() {
+        return (
+            StatusCode::METHOD_NOT_ALLOWED,
+            Json(json!({"error": "method_not_allowed", "reason": "the default exchange cannot be declared"})),
+        )
+            .into_response();
+    }
+    let result = change(&shared, |b, fx| {
+        if !b.has_vhost(&vhost) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
+        }
+        let existed = b.exchange_exists(&vhost, &name);
+        b.exchange_declare(&vhost, declare, fx).map(|_| existed)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/exchanges/{vhost}/{name} (`?if-unused=true`).
+pub(super) async fn delete_exchange(
+    State(shared): Api,
+    Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<DeleteQuery>,
+) -> Response {
+    let result = change(&shared, |b, fx| {
+        if !b.exchange_exists(&vhost, &name) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.exchange_delete(
+            &vhost,
+            &name,
+            query.if_unused.as_deref() == Some("true"),
+            fx,
+        )
+    })
+    .await;
+    no_content(result)
+}

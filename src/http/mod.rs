@@ -1,0 +1,307 @@
+//! The management HTTP API: the part of RabbitMQ's (`rabbitmq_management`, port 15672) that
+//! tools and client test suites use to look at a broker and to close connections. Paths, JSON
+//! field names and status codes follow RabbitMQ's; see the README for the endpoints served.
+//!
+//! Users log in with HTTP basic auth, with the same users (and loopback rule for `guest`) as
+//! AMQP. Every user is an administrator until users get tags and permissions.
+//!
+//! This file holds the router, its layers (trailing slash, login, caught panics) and what the
+//! resources share: the vhost check, changes made through the core, the JSON error answers.
+//! Each resource (RabbitMQ's path under `/api/`) has its own file.
+
+mod bindings;
+mod connections;
+mod exchanges;
+mod json;
+mod overview;
+mod queues;
+mod vhosts;
+mod whoami;
+
+use crate::broker::{Broker, Effect};
+use crate::server::Shared;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get};
+use axum::{Json, Router};
+use base64::Engine;
+use bindings::{
+    add_binding, binding_one, bindings_all, bindings_between, bindings_in, delete_binding,
+    queue_bindings,
+};
+use connections::{close_connection, connection, connections};
+use exchanges::{delete_exchange, exchange, exchanges_all, exchanges_in, put_exchange};
+use overview::overview;
+use queues::{delete_queue, purge_queue, put_queue, queue, queues_all, queues_in};
+use serde_json::json;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use vhosts::{vhost, vhosts};
+use warren_protocol::reply::{AmqpError, ReplyCode};
+use whoami::whoami;
+
+/// Serve the API on `listener` until the task is dropped.
+pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
+    // RabbitMQ answers every path with a trailing slash as without (`GET /api/connections/`;
+    // some clients list connections that way): the slash goes before routing.
+    let app = tower::ServiceBuilder::new()
+        .map_request(trim_one_trailing_slash)
+        .service(router(shared));
+    if let Err(e) =
+        axum::serve(
+            listener,
+            axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+                SocketAddr,
+            >(app),
+        )
+        .await
+    {
+        tracing::warn!(error = %e, "management API stopped");
+    }
+}
+
+/// Drop one trailing slash from the path, as RabbitMQ's routes take one: `/api/queues/` is
+/// `/api/queues`, but `/api/overview//` keeps an empty segment and is not found (as there).
+fn trim_one_trailing_slash(mut req: axum::extract::Request) -> axum::extract::Request {
+    let uri = req.uri();
+    let path = uri.path();
+    if path.len() > 1 && path.ends_with('/') {
+        let trimmed = &path[..path.len() - 1];
+        let rebuilt = match uri.query() {
+            Some(q) => format!("{trimmed}?{q}"),
+            None => trimmed.to_string(),
+        };
+        if let Ok(pq) = rebuilt.parse::<axum::http::uri::PathAndQuery>() {
+            let mut parts = uri.clone().into_parts();
+            parts.path_and_query = Some(pq);
+            if let Ok(new) = axum::http::Uri::from_parts(parts) {
+                *req.uri_mut() = new;
+            }
+        }
+    }
+    req
+}
+
+fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/api/overview", get(overview))
+        .route("/api/whoami", get(whoami))
+        .route("/api/vhosts", get(vhosts))
+        .route("/api/vhosts/{vhost}", get(vhost))
+        .route("/api/connections", get(connections))
+        .route(
+            "/api/connections/{name}",
+            get(connection).delete(close_connection),
+        )
+        .route("/api/queues", get(queues_all))
+        .route("/api/queues/{vhost}", get(queues_in))
+        .route(
+            "/api/queues/{vhost}/{name}",
+            get(queue).put(put_queue).delete(delete_queue),
+        )
+        .route("/api/queues/{vhost}/{name}/contents", delete(purge_queue))
+        .route("/api/queues/{vhost}/{name}/bindings", get(queue_bindings))
+        .route("/api/bindings", get(bindings_all))
+        .route("/api/bindings/{vhost}", get(bindings_in))
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}",
+            get(bindings_between).post(add_binding),
+        )
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}/{props}",
+            get(binding_one).delete(delete_binding),
+        )
+        .route("/api/exchanges", get(exchanges_all))
+        .route("/api/exchanges/{vhost}", get(exchanges_in))
+        .route(
+            "/api/exchanges/{vhost}/{name}",
+            get(exchange).put(put_exchange).delete(delete_exchange),
+        )
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            require_login,
+        ))
+        .fallback(|| async { not_found() })
+        // A defect in a handler answers 500 and leaves the server serving (without this the
+        // client got an empty reply).
+        .layer(tower_http::catch_panic::CatchPanicLayer::new())
+        .with_state(shared)
+}
+
+type Api = State<Arc<Shared>>;
+type Peer = ConnectInfo<SocketAddr>;
+
+/// The logged-in user, if the request's basic credentials are a user's allowed from `peer`.
+fn authenticate(shared: &Shared, headers: &HeaderMap, peer: SocketAddr) -> Option<String> {
+    let credentials = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Basic "))
+        .and_then(|b| {
+            base64::engine::general_purpose::STANDARD
+                .decode(b.trim())
+                .ok()
+        })
+        .and_then(|raw| String::from_utf8(raw).ok())?;
+    let (user, pass) = credentials.split_once(':')?;
+    crate::auth::login_allowed(shared, user, pass, peer.ip()).then(|| user.to_string())
+}
+
+fn unauthorized() -> Response {
+    let mut r = (
+        StatusCode::UNAUTHORIZED,
+        Json(json!({"error": "not_authorized", "reason": "Login failed"})),
+    )
+        .into_response();
+    r.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Basic realm=\"RabbitMQ Management\""),
+    );
+    r
+}
+
+/// An authenticated listing of one vhost's objects (404 for a vhost that does not exist).
+fn in_vhost(
+    shared: &Shared,
+    vhost: &str,
+    list: impl FnOnce(&Shared, Option<&str>) -> Response,
+) -> Response {
+    if !shared.broker.lock().has_vhost(vhost) {
+        return not_found();
+    }
+    list(shared, Some(vhost))
+}
+
+fn not_found() -> Response {
+    (
+        StatusCode::NOT_FOUND,
+        Json(json!({"error": "Object Not Found", "reason": "Not Found"})),
+    )
+        .into_response()
+}
+
+/// The user a request logged in as (set by `require_login`).
+#[derive(Clone)]
+struct Login(String);
+
+/// Every API route wants a login: 401 without one, else the handler runs with its `Login`.
+async fn require_login(
+    State(shared): Api,
+    ConnectInfo(peer): Peer,
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authenticate(&shared, req.headers(), peer) {
+        Some(user) => {
+            req.extensions_mut().insert(Login(user));
+            next.run(req).await
+        }
+        None => unauthorized(),
+    }
+}
+
+fn node_name() -> String {
+    let host = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    format!("warren@{host}")
+}
+
+/// Run `f` on the broker core as a connection-less administrator, carry out its effects, and
+/// wait until the durable changes it made are in the store (as AMQP's declare-ok does).
+async fn change<R>(
+    shared: &Arc<Shared>,
+    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> Result<R, AmqpError>,
+) -> Result<R, ChangeError> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let (result, ticket) = {
+        let mut b = shared.lock_notify(Some(tx));
+        b.set_clock(crate::clock::now_ms());
+        let mut fx = Vec::new();
+        let result = f(&mut b, &mut fx);
+        shared.apply_effects(&mut fx);
+        let ticket = b.flush();
+        (result, ticket)
+    };
+    let result = result.map_err(ChangeError::Refused)?;
+    if let Some(ticket) = ticket {
+        while let Some(done) = rx.recv().await {
+            if done.ticket >= ticket {
+                if !done.ok {
+                    return Err(ChangeError::Store);
+                }
+                break;
+            }
+        }
+    }
+    Ok(result)
+}
+
+/// 204 for a change made, else why not.
+fn no_content<R>(result: Result<R, ChangeError>) -> Response {
+    match result {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Why a change through the API did not happen.
+enum ChangeError {
+    Refused(AmqpError),
+    Store,
+}
+
+impl IntoResponse for ChangeError {
+    fn into_response(self) -> Response {
+        match self {
+            ChangeError::Refused(e) => amqp_error_response(&e),
+            ChangeError::Store => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Json(json!({"error": "internal_error", "reason": "the store failed"})),
+            )
+                .into_response(),
+        }
+    }
+}
+
+/// An AMQP refusal as the API's error: 404 for what does not exist, 403 for what is not
+/// allowed, 405 for a resource another connection holds, 400 for the rest.
+fn amqp_error_response(e: &AmqpError) -> Response {
+    let (status, error) = match e.code {
+        ReplyCode::NotFound => (StatusCode::NOT_FOUND, "Object Not Found"),
+        // RabbitMQ answers a refused name (amq.*) as a failed login.
+        ReplyCode::AccessRefused => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                Json(json!({"error": "not_authorised", "reason": "Access refused."})),
+            )
+                .into_response()
+        }
+        ReplyCode::ResourceLocked => (StatusCode::METHOD_NOT_ALLOWED, "resource_locked"),
+        _ => (StatusCode::BAD_REQUEST, "bad_request"),
+    };
+    // The reason without the reply code's name ("PRECONDITION_FAILED - "), as RabbitMQ's.
+    let reason = match e.text.split_once(" - ") {
+        Some((name, rest)) if name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_') => rest,
+        _ => e.text.as_str(),
+    };
+    (status, Json(json!({"error": error, "reason": reason}))).into_response()
+}
+
+fn bad_request(reason: &str) -> Response {
+    (
+        StatusCode::BAD_REQUEST,
+        Json(json!({"error": "bad_request", "reason": reason})),
+    )
+        .into_response()
+}
+
+#[derive(serde::Deserialize, Default)]
+struct DeleteQuery {
+    #[serde(rename = "if-unused", default)]
+    if_unused: Option<String>,
+    #[serde(rename = "if-empty", default)]
+    if_empty: Option<String>,
+}
