@@ -196,7 +196,7 @@ impl Shared {
             .with_context(|| format!("reading the store in {}", path.display()))?;
         let mut broker = Broker::new();
         // Replayed declarations of queues with x-expires count their lease from now.
-        broker.set_clock(crate::conn::session::now_ms());
+        broker.set_clock(crate::clock::now_ms());
         let mut fx = Vec::new();
         for op in &recovered.ops {
             broker
