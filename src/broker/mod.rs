@@ -13,6 +13,7 @@ pub mod args;
 pub mod deadletter;
 pub mod exchange;
 pub mod headers;
+mod log;
 pub mod queue;
 pub mod topic;
 pub mod users;
@@ -218,12 +219,8 @@ pub struct Broker {
     now_ms: u64,
     /// Queues that hold messages with an expiry; `expire` visits only these.
     expiring: std::collections::BTreeSet<QueueId>,
-    /// Record durable changes as ops in `journal` (off while recovering, and with no store).
-    journal_enabled: bool,
-    /// Durable changes not yet handed to the store (see `take_journal`).
-    journal: Journal,
-    /// Journal batches taken so far (the one being built is `journal_seq + 1`).
-    journal_seq: u64,
+    /// The store writes and replicated ops of the changes made (see `log.rs`).
+    log: log::Log,
     /// Where deep queues page to (with a store).
     pager: Option<Arc<queue::Pager>>,
     /// Queues holding staged messages (in memory until their store write is done).
@@ -300,23 +297,6 @@ fn random_name(prefix: &str) -> String {
         .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
         .collect();
     format!("{prefix}{suffix}")
-}
-
-/// Journal the removal of a message the store holds for queue `q`, merged into the previous op
-/// when that removes from the same queue.
-fn push_removal(journal: &mut Journal, q: &Queue, qm: &QueuedMessage) {
-    let key = q.store_key(qm);
-    if let Some(Op::Remove { vhost, queue, keys }) = journal.last_mut() {
-        if *vhost == q.vhost && *queue == q.name {
-            keys.push(key);
-            return;
-        }
-    }
-    journal.push(Op::Remove {
-        vhost: q.vhost.clone(),
-        queue: q.name.clone(),
-        keys: vec![key],
-    });
 }
 
 /// A message rebuilt from what a store keeps.
@@ -411,9 +391,7 @@ impl Broker {
             next_conn_id: 1,
             now_ms: 0,
             expiring: Default::default(),
-            journal_enabled: false,
-            journal: Journal::new(),
-            journal_seq: 0,
+            log: Default::default(),
             pager: None,
             staging: Default::default(),
             dirty: Vec::new(),
@@ -471,23 +449,37 @@ impl Broker {
 
     /// Start recording durable changes (after recovery, when a store is attached).
     pub fn enable_journal(&mut self) {
-        self.journal_enabled = true;
+        self.log.enabled = true;
     }
 
     /// The durable changes made since the last call, in the order they were made. Each
     /// non-empty batch gets the next number ([`Broker::journal_seq`]); the committer reports
     /// the batches it has written by that number (`Pager::written`).
     pub fn take_journal(&mut self) -> Journal {
-        if !self.journal_enabled || self.journal.is_empty() {
+        if !self.log.enabled || self.log.writes.is_empty() {
             return Journal::new();
         }
-        self.journal_seq += 1;
-        std::mem::take(&mut self.journal)
+        self.log.seq += 1;
+        std::mem::take(&mut self.log.writes)
     }
 
     /// The number of the last batch `take_journal` returned.
     pub fn journal_seq(&self) -> u64 {
-        self.journal_seq
+        self.log.seq
+    }
+
+    /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
+    pub fn record_ops(&mut self) {
+        self.log.ops.get_or_insert_with(Vec::new);
+    }
+
+    /// The replicated ops recorded since the last call, in order (empty when not recording).
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        self.log
+            .ops
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// Let deep queues keep their backlog on disk (see `queue::WINDOW_MESSAGES`).
@@ -534,7 +526,7 @@ impl Broker {
     /// out past the window), journaling a spill for each message it paged out that the store
     /// does not hold yet; a queue that dropped messages is marked dirty.
     fn after_requeue(&mut self, qid: QueueId, now: u64) {
-        let (stored_batch, spill_batch) = (self.journal_seq, self.journal_seq + 1);
+        let (stored_batch, spill_batch) = (self.log.seq, self.log.seq + 1);
         let mut spills = Vec::new();
         let Some(q) = self.queues.get_mut(&qid) else {
             return;
@@ -547,7 +539,7 @@ impl Broker {
             self.staging.insert(qid);
         }
         for (key, msg) in spills {
-            self.journal.push(Op::Spill {
+            self.log.write(Op::Spill {
                 vhost: q.vhost.clone(),
                 queue: q.name.clone(),
                 key,
@@ -668,13 +660,6 @@ impl Broker {
         !self.users.is_empty()
     }
 
-    /// Record `op` for the store if it changes durable state. Call before applying it.
-    fn record(&mut self, op: &Op) {
-        if self.journal_enabled && self.is_durable(op) {
-            self.journal.push(op.clone());
-        }
-    }
-
     /// Set the time (ms since the epoch) the following calls see.
     pub fn set_clock(&mut self, now_ms: u64) {
         self.now_ms = self.now_ms.max(now_ms);
@@ -718,11 +703,8 @@ impl Broker {
             .copied()
             .collect();
         for id in unused {
-            if let Some(q) = self.queues.get_mut(&id) {
-                // The queue's storage goes with it (DeleteQueue), unacked ones included.
-                let _ = q.purge();
-            }
-            self.delete_queue_by_id(id, fx);
+            // The queue's storage goes with it, unacked ones included.
+            self.delete_queue(id, fx);
         }
         self.settle(fx);
         dropped
@@ -810,10 +792,8 @@ impl Broker {
                     continue;
                 };
                 let dropped = std::mem::take(&mut q.dropped);
-                if self.journal_enabled {
-                    for (m, _) in dropped.iter().filter(|(m, _)| m.stored) {
-                        push_removal(&mut self.journal, q, m);
-                    }
+                for (m, _) in dropped.iter().filter(|(m, _)| m.stored) {
+                    self.log.removed(q, m);
                 }
                 for (m, reason) in dropped {
                     self.dead_letter(qid, &m, reason, fx);
@@ -925,14 +905,16 @@ impl Broker {
         for ch in channels {
             self.channel_close(conn, ch, fx);
         }
-        let owned: Vec<QueueId> = self
+        let mut owned: Vec<QueueId> = self
             .queues
             .iter()
             .filter(|(_, q)| q.owner == Some(conn))
             .map(|(id, _)| *id)
             .collect();
+        // In id order, whatever the map's.
+        owned.sort_unstable();
         for id in owned {
-            self.delete_queue_by_id(id, fx);
+            self.delete_queue(id, fx);
         }
         self.conns.remove(&conn);
     }
@@ -1005,7 +987,7 @@ impl Broker {
             q.last_used = now;
         }
         if q.auto_delete && q.had_consumers && q.consumers.is_empty() {
-            self.delete_queue_by_id(id, fx);
+            self.delete_queue(id, fx);
         } else {
             self.dispatch(id, fx);
         }
@@ -1020,19 +1002,38 @@ impl Broker {
 
     // ---------------------------------------------------------------- the apply path
 
-    /// Apply one durable state change. Live commands call this after validating; recovery calls
-    /// it for each stored op in order. It is deterministic: same ops, same state.
+    /// Apply one state change: the one way durable state changes. Live commands (AMQP, the
+    /// HTTP API, timers) call this after validating and deciding; recovery calls it for each
+    /// stored definition in order; a replica would call it for each replicated op. The op is
+    /// recorded as a replicated root (when it changes durable state, `is_durable`), and what
+    /// it makes the store do goes to the journal. Cascades (an auto-delete exchange left
+    /// without bindings, a deleted queue's bindings) are derived here, on every broker that
+    /// applies the op, and never recorded as ops of their own. Deterministic: same ops, same
+    /// state.
     pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
-        if !matches!(
-            op,
-            Op::Enqueue { .. }
-                | Op::Remove { .. }
-                | Op::DeleteQueue { .. }
-                | Op::Purge { .. }
-                | Op::Spill { .. }
-                | Op::RemoveRange { .. }
-        ) {
-            self.record(op);
+        // Purge records its own roots (`exec`); paging writes are never replicated.
+        if !matches!(op, Op::Purge { .. } | Op::Spill { .. }) && self.is_durable(op) {
+            self.log.root(op);
+        }
+        self.exec(op, fx)
+    }
+
+    /// The change `op` makes, and its store writes, without recording it as a root: `apply`
+    /// for a root, and directly for what a root cascades into.
+    fn exec(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        if self.log.enabled
+            && matches!(
+                op,
+                Op::DeclareExchange { .. }
+                    | Op::DeleteExchange { .. }
+                    | Op::DeclareQueue { .. }
+                    | Op::Bind { .. }
+                    | Op::Unbind { .. }
+                    | Op::PutUser { .. }
+            )
+            && self.is_durable(op)
+        {
+            self.log.write(op.clone());
         }
         match op {
             Op::DeclareExchange {
@@ -1072,8 +1073,10 @@ impl Broker {
                         emptied.push(x.name.clone());
                     }
                 }
+                // In name order, whatever the map's: the same on every broker.
+                emptied.sort_unstable();
                 for name in emptied {
-                    self.apply(
+                    self.exec(
                         &Op::DeleteExchange {
                             vhost: vhost.clone(),
                             name,
@@ -1116,6 +1119,11 @@ impl Broker {
             }
             Op::DeleteQueue { vhost, name } => {
                 if let Some(id) = self.vhost(vhost)?.queues.get(name).copied() {
+                    // The store drops what it holds for the queue (also a non-durable queue's
+                    // spills, which no replica has).
+                    if self.queues.get(&id).is_some_and(|q| q.has_storage()) {
+                        self.log.write(op.clone());
+                    }
                     self.delete_queue_by_id(id, fx);
                 }
             }
@@ -1150,7 +1158,7 @@ impl Broker {
                     }
                 }
                 if auto_delete {
-                    self.apply(
+                    self.exec(
                         &Op::DeleteExchange {
                             vhost: vhost.clone(),
                             name: source.clone(),
@@ -1181,27 +1189,41 @@ impl Broker {
                     .filter_map(|(n, _)| v.queues.get(&**n).copied())
                     .collect();
                 self.next_message_id = self.next_message_id.max(id + 1);
-                self.enqueue(&ids, *id, *timestamp_ms, msg, fx);
+                self.log.write(op.clone());
+                // Only the change: what a leader decides after it (deliveries, a TTL-0 drop,
+                // drop-head trimming, dead-lettering) comes as ops of its own.
+                self.enqueue(&ids, *id, *timestamp_ms, msg, false, fx);
             }
             Op::Remove { vhost, queue, keys } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
                     if let Some(q) = self.queues.get_mut(&qid) {
-                        // Replayed ops: drop these ids from the ready list.
-                        let ids: Vec<u64> =
-                            keys.iter().map(|k| warren_storage::key_id(*k)).collect();
-                        q.remove_ready(&ids);
+                        // On the broker that decided it the messages had left the ready list
+                        // already (delivered, dropped); elsewhere they leave it here.
+                        q.remove_keys(keys);
                     }
                 }
+                self.log.write(op.clone());
+            }
+            Op::RemoveRange {
+                vhost,
+                queue,
+                from,
+                to,
+            } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
+                    if let Some(q) = self.queues.get_mut(&qid) {
+                        q.remove_key_range(*from, *to);
+                    }
+                }
+                self.log.write(op.clone());
             }
             Op::Purge { vhost, queue } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.queues.get_mut(&qid) {
-                        let _ = q.purge();
-                    }
+                    self.purge_queue(qid);
                 }
             }
-            // Paging is local to a broker: nothing to replay.
-            Op::Spill { .. } | Op::RemoveRange { .. } => {}
+            // Local paging: a store write, nothing more.
+            Op::Spill { .. } => self.log.write(op.clone()),
             Op::PutUser {
                 name,
                 password_hash,
@@ -1627,35 +1649,58 @@ impl Broker {
         fx: &mut Vec<Effect>,
     ) -> Result<u32, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
-        let _ = fx;
-        let Some(q) = self.queues.get_mut(&id) else {
+        let Some(q) = self.queues.get(&id) else {
             return Ok(0);
         };
-        let (count, keys, ranges) = q.purge();
-        if self.journal_enabled && q.has_storage() {
-            let (vhost, queue) = (q.vhost.clone(), q.name.clone());
-            if q.unacked == 0 {
-                // Nothing delivered is waiting for an ack: the whole keyspace goes.
-                self.journal.push(Op::Purge { vhost, queue });
-            } else {
-                if !keys.is_empty() {
-                    self.journal.push(Op::Remove {
-                        vhost: vhost.clone(),
-                        queue: queue.clone(),
-                        keys,
-                    });
-                }
-                for (from, to) in ranges {
-                    self.journal.push(Op::RemoveRange {
-                        vhost: vhost.clone(),
-                        queue: queue.clone(),
-                        from,
-                        to,
-                    });
-                }
+        let count = q.message_count();
+        let op = Op::Purge {
+            vhost: q.vhost.clone(),
+            queue: q.name.clone(),
+        };
+        self.apply(&op, fx)?;
+        Ok(count as u32)
+    }
+
+    /// Drop every ready message of a queue (`Op::Purge`). Delivered messages waiting for an
+    /// ack stay (in the store too): with none, the queue's whole keyspace goes (`Purge`);
+    /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
+    /// which is also what is replicated, since elsewhere those deliveries are ready messages.
+    fn purge_queue(&mut self, id: QueueId) {
+        let Some(q) = self.queues.get_mut(&id) else {
+            return;
+        };
+        let (_, keys, ranges) = q.purge();
+        if !q.has_storage() {
+            return;
+        }
+        let replicated = q.is_stored();
+        let (vhost, queue) = (q.vhost.clone(), q.name.clone());
+        let mut ops: Vec<Op> = Vec::new();
+        if q.unacked == 0 {
+            ops.push(Op::Purge { vhost, queue });
+        } else {
+            if !keys.is_empty() {
+                ops.push(Op::Remove {
+                    vhost: vhost.clone(),
+                    queue: queue.clone(),
+                    keys,
+                });
+            }
+            for (from, to) in ranges {
+                ops.push(Op::RemoveRange {
+                    vhost: vhost.clone(),
+                    queue: queue.clone(),
+                    from,
+                    to,
+                });
             }
         }
-        Ok(count as u32)
+        for op in ops {
+            if replicated {
+                self.log.root(&op);
+            }
+            self.log.write(op);
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1698,17 +1743,22 @@ impl Broker {
         Ok(count)
     }
 
-    /// Remove a queue: its bindings, its consumers (who are told), its messages.
-    fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+    /// A queue this broker decided to delete (x-expires, auto-delete, its exclusive owner
+    /// gone), through `apply` like a client's queue.delete.
+    fn delete_queue(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
         let Some(q) = self.queues.get(&id) else {
             return;
         };
-        if q.has_storage() && self.journal_enabled {
-            self.journal.push(Op::DeleteQueue {
-                vhost: q.vhost.to_string(),
-                name: q.name.to_string(),
-            });
-        }
+        let op = Op::DeleteQueue {
+            vhost: q.vhost.to_string(),
+            name: q.name.to_string(),
+        };
+        let _ = self.apply(&op, fx);
+    }
+
+    /// Remove a queue: its bindings, its consumers (who are told), its messages. Only `exec`
+    /// of a `DeleteQueue` calls this.
+    fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
         self.expiring.remove(&id);
         let Some(q) = self.queues.remove(&id) else {
             return;
@@ -1739,8 +1789,10 @@ impl Broker {
                 }
             }
         }
+        // A cascade: derived wherever the deletion is applied, in name order.
+        emptied.sort_unstable();
         for name in emptied {
-            let _ = self.apply(
+            let _ = self.exec(
                 &Op::DeleteExchange {
                     vhost: q.vhost.to_string(),
                     name,
@@ -1851,7 +1903,7 @@ impl Broker {
             accepted.push(*t);
         }
         let targets = &accepted[..];
-        if self.journal_enabled && msg.persistent() {
+        if (self.log.enabled || self.log.ops.is_some()) && msg.persistent() {
             // Names shared with the queues: no copy per message.
             let mut stored_vhost = None;
             let stored: warren_storage::QueueLevels = targets
@@ -1864,7 +1916,8 @@ impl Broker {
                 })
                 .collect();
             if let Some(vhost) = stored_vhost {
-                self.journal.push(Op::Enqueue {
+                // The replicated change (`exec` of an `Enqueue` makes the same one).
+                self.log.root_and_write(Op::Enqueue {
                     vhost,
                     queues: stored,
                     id,
@@ -1876,7 +1929,7 @@ impl Broker {
                 });
             }
         }
-        let (staged, held) = self.enqueue(targets, id, self.now_ms, msg, fx);
+        let (staged, held) = self.enqueue(targets, id, self.now_ms, msg, true, fx);
         PublishOutcome {
             routed: total,
             rejected,
@@ -1984,7 +2037,9 @@ impl Broker {
         Ok(())
     }
 
-    /// Put a message (published at `at` ms) into queues and hand it to consumers. Returns
+    /// Put a message (published at `at` ms) into queues and, when this broker `decide`s (it
+    /// is the one serving clients, not replaying ops), hand it to consumers and apply the
+    /// queues' TTL-0 and drop-head rules. Returns
     /// whether its publisher should wait for the store (`PublishOutcome::staged`) and the
     /// queues that hold it past their window (`PublishOutcome::held`).
     fn enqueue(
@@ -1993,6 +2048,7 @@ impl Broker {
         id: u64,
         at: u64,
         msg: Arc<Message>,
+        decide: bool,
         fx: &mut Vec<Effect>,
     ) -> (bool, Targets) {
         let mut any_staged = false;
@@ -2006,7 +2062,7 @@ impl Broker {
                 (a, b) => a.or(b),
             };
             let expires_at = ttl.map(|t| at.saturating_add(t));
-            let stored = self.journal_enabled && q.is_stored() && msg.persistent();
+            let stored = self.log.enabled && q.is_stored() && msg.persistent();
             let qm = QueuedMessage {
                 id,
                 msg: msg.clone(),
@@ -2015,7 +2071,7 @@ impl Broker {
                 returns: 0,
                 stored,
             };
-            let pushed = q.push(qm, self.journal_seq + 1, at);
+            let pushed = q.push(qm, self.log.seq + 1, at);
             let staged = pushed == Pushed::Staged;
             if pushed == Pushed::Held {
                 held.push(*qid);
@@ -2027,7 +2083,7 @@ impl Broker {
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.
                 q.spilled = true;
-                self.journal.push(Op::Spill {
+                self.log.write(Op::Spill {
                     vhost: q.vhost.clone(),
                     queue: q.name.clone(),
                     key: warren_storage::message_key(q.level(&msg) as u8, id),
@@ -2040,6 +2096,9 @@ impl Broker {
             }
             if expires_at.is_some() {
                 self.expiring.insert(*qid);
+            }
+            if !decide {
+                continue;
             }
             self.dispatch(*qid, fx);
             if let Some(q) = self.queues.get_mut(qid) {
@@ -2323,8 +2382,7 @@ impl Broker {
         let Broker {
             queues,
             conns,
-            journal,
-            journal_enabled,
+            log,
             dirty,
             drained,
             ..
@@ -2407,8 +2465,8 @@ impl Broker {
             let msg = q.outgoing(&qm);
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
-                if *journal_enabled && qm.stored {
-                    push_removal(journal, q, &qm);
+                if qm.stored {
+                    log.removed(q, &qm);
                 }
             } else {
                 c.unacked += 1;
@@ -2453,8 +2511,7 @@ impl Broker {
         let Broker {
             queues,
             conns,
-            journal,
-            journal_enabled,
+            log,
             dirty,
             ..
         } = self;
@@ -2481,8 +2538,8 @@ impl Broker {
             message_count: q.message_count() as u32,
         };
         if no_ack {
-            if *journal_enabled && qm.stored {
-                push_removal(journal, q, &qm);
+            if qm.stored {
+                log.removed(q, &qm);
             }
         } else {
             q.unacked += 1;
@@ -2630,15 +2687,12 @@ impl Broker {
 
     /// Journal the removal of settled persistent messages from stored queues.
     fn record_removals<'a>(&mut self, settled: impl Iterator<Item = &'a Unacked>) {
-        if !self.journal_enabled {
-            return;
-        }
         for u in settled {
             if !u.qm.stored {
                 continue;
             }
             if let Some(q) = self.queues.get(&u.queue) {
-                push_removal(&mut self.journal, q, &u.qm);
+                self.log.removed(q, &u.qm);
             }
         }
     }

@@ -886,39 +886,178 @@ impl Queue {
         self.mem_bytes -= size;
     }
 
-    /// Take out ready in-memory messages by id (ops replayed from elsewhere; live removals
-    /// are of delivered messages, which are not here).
-    pub fn remove_ready(&mut self, ids: &[u64]) {
-        let mut gone = Vec::new();
-        for l in self.levels.iter_mut() {
-            let (mut n, mut bytes, mut held, mut held_bytes) = (0, 0, 0, 0);
-            l.returned.retain(|r| {
-                let keep = !ids.contains(&r.id);
-                if !keep {
-                    n += 1;
-                    bytes += r.size;
-                    if r.msg.is_some() {
-                        held += 1;
-                        held_bytes += r.size;
-                    }
-                }
-                keep
-            });
-            l.returned_held -= held;
-            self.count -= n;
-            self.ready_bytes -= bytes;
-            self.mem_count -= held;
-            self.mem_bytes -= held_bytes;
-            l.mem.retain(|m| {
-                let keep = !ids.contains(&m.id);
-                if !keep {
-                    gone.push(m.clone());
-                }
-                keep
-            });
+    /// Take out the ready messages with these store keys (`Op::Remove` applied where it was
+    /// not decided: on the broker that decided it they had left the ready list already, and
+    /// nothing is found). Wherever they are: in memory, paged out after a requeue, staged, or
+    /// on disk (read by key to learn their sizes).
+    pub fn remove_keys(&mut self, keys: &[u64]) {
+        let mut sorted = keys.to_vec();
+        sorted.sort_unstable();
+        for level in 0..self.levels.len() {
+            let lo = message_key(level as u8, 0);
+            let hi = message_key(level as u8, (1 << warren_storage::ID_BITS) - 1);
+            let ids: Vec<u64> = sorted
+                .iter()
+                .filter(|k| (lo..=hi).contains(*k))
+                .map(|k| warren_storage::key_id(*k))
+                .collect();
+            if ids.is_empty() {
+                continue;
+            }
+            let l = &self.levels[level];
+            let on_disk: Vec<u64> = if l.disk_count > 0 {
+                ids.iter()
+                    .filter(|id| (l.disk_first..=l.disk_last).contains(*id))
+                    .map(|id| message_key(level as u8, *id))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            self.remove_in_level(level, |id| ids.binary_search(&id).is_ok());
+            if !on_disk.is_empty() {
+                self.forget_on_disk(level, |pager, q| {
+                    pager.store.read_keys(&q.vhost, &q.name, &on_disk).map(|v| {
+                        v.into_iter()
+                            .flatten()
+                            .map(|m| m.body.len() as u64)
+                            .collect()
+                    })
+                });
+            }
         }
-        for m in gone {
-            self.taken(&m);
+    }
+
+    /// Take out the ready messages with store keys from `from` to `to` (inclusive:
+    /// `Op::RemoveRange`), wherever they are (see `remove_keys`).
+    pub fn remove_key_range(&mut self, from: u64, to: u64) {
+        if from > to {
+            return;
+        }
+        let (lf, lt) = (
+            warren_storage::key_level(from) as usize,
+            warren_storage::key_level(to) as usize,
+        );
+        for level in lf..=lt.min(self.levels.len() - 1) {
+            let lo = if level == lf {
+                warren_storage::key_id(from)
+            } else {
+                0
+            };
+            let hi = if level == lt {
+                warren_storage::key_id(to)
+            } else {
+                u64::MAX
+            };
+            self.remove_in_level(level, |id| (lo..=hi).contains(&id));
+            let l = &self.levels[level];
+            if l.disk_count == 0 || hi < l.disk_first || lo > l.disk_last {
+                continue;
+            }
+            if lo <= l.disk_first && hi >= l.disk_last {
+                // The whole part on disk.
+                let (n, bytes) = (l.disk_count, l.disk_bytes);
+                let l = &mut self.levels[level];
+                l.disk_count = 0;
+                l.disk_bytes = 0;
+                self.count -= n as usize;
+                self.ready_bytes -= bytes;
+                continue;
+            }
+            let (a, b) = (lo.max(l.disk_first), hi.min(l.disk_last));
+            self.forget_on_disk(level, |pager, q| {
+                pager
+                    .store
+                    .read(
+                        &q.vhost,
+                        &q.name,
+                        message_key(level as u8, a),
+                        message_key(level as u8, b),
+                        usize::MAX,
+                        usize::MAX,
+                    )
+                    .map(|v| v.into_iter().map(|m| m.body.len() as u64).collect())
+            });
+            let l = &mut self.levels[level];
+            if a == l.disk_first {
+                l.disk_first = b + 1;
+            }
+            if b == l.disk_last && a > 0 {
+                l.disk_last = a - 1;
+            }
+        }
+    }
+
+    /// Remove the ready messages of a level whose id `gone` says, from memory, the paged-out
+    /// requeued ones and the staged ones.
+    fn remove_in_level(&mut self, level: usize, gone: impl Fn(u64) -> bool) {
+        let l = &mut self.levels[level];
+        let (mut n, mut bytes, mut held, mut held_bytes) = (0usize, 0u64, 0usize, 0u64);
+        l.returned.retain(|r| {
+            if !gone(r.id) {
+                return true;
+            }
+            n += 1;
+            bytes += r.size;
+            if r.msg.is_some() {
+                held += 1;
+                held_bytes += r.size;
+            }
+            false
+        });
+        l.returned_held -= held;
+        l.mem.retain(|m| {
+            if !gone(m.id) {
+                return true;
+            }
+            n += 1;
+            held += 1;
+            let size = m.msg.body.len() as u64;
+            bytes += size;
+            held_bytes += size;
+            false
+        });
+        l.staged.retain(|(_, m)| {
+            if !gone(m.id) {
+                return true;
+            }
+            n += 1;
+            held += 1;
+            let size = m.msg.body.len() as u64;
+            bytes += size;
+            held_bytes += size;
+            false
+        });
+        self.count -= n;
+        self.ready_bytes -= bytes;
+        self.mem_count -= held;
+        self.mem_bytes -= held_bytes;
+    }
+
+    /// Messages of a level's disk part leave: `sizes` reads the body sizes of those the store
+    /// has (the count and bytes on disk come down by them). A failed read is logged: the
+    /// store still drops them with the op, and a later read-back finds fewer than counted.
+    fn forget_on_disk(
+        &mut self,
+        level: usize,
+        sizes: impl FnOnce(&Pager, &Queue) -> Result<Vec<u64>, warren_storage::StoreError>,
+    ) {
+        let Some(pager) = self.pager.clone() else {
+            return;
+        };
+        match sizes(&pager, self) {
+            Ok(sizes) => {
+                let n = sizes.len() as u64;
+                let bytes: u64 = sizes.iter().sum();
+                let l = &mut self.levels[level];
+                let n = n.min(l.disk_count);
+                l.disk_count -= n;
+                l.disk_bytes = l.disk_bytes.saturating_sub(bytes);
+                self.count -= n as usize;
+                self.ready_bytes = self.ready_bytes.saturating_sub(bytes);
+            }
+            Err(e) => {
+                tracing::error!(queue = %self.name, error = %e, "reading removed messages' sizes failed; the queue's count is off until it drains");
+            }
         }
     }
 
