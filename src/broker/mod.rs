@@ -17,6 +17,7 @@ mod log;
 pub mod queue;
 pub mod topic;
 pub mod users;
+pub mod view;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldTable};

@@ -236,6 +236,12 @@ pub struct Queue {
     pub dropped: Vec<(QueuedMessage, DropReason)>,
 }
 
+/// A message as the store gave it back.
+fn stored(m: warren_storage::StoredMessage) -> Result<Message, warren_storage::StoreError> {
+    super::stored_message(&m.exchange, &m.routing_key, m.properties, m.body)
+        .map_err(|e| warren_storage::StoreError::Io(format!("unreadable stored message: {e}")))
+}
+
 impl Queue {
     pub fn new(
         name: String,
@@ -884,6 +890,53 @@ impl Queue {
         self.ready_bytes -= size;
         self.mem_count -= 1;
         self.mem_bytes -= size;
+    }
+
+    /// Every ready message in delivery order (priority levels high to low, then by id) with its
+    /// store key: memory, paged-out requeues and the disk part read back from the store,
+    /// staged. For comparing brokers (`Broker::replicated_view`), not for delivery.
+    pub fn ready_messages(&self) -> Result<Vec<(u64, Arc<Message>)>, warren_storage::StoreError> {
+        let mut out = Vec::with_capacity(self.count);
+        for (level, l) in self.levels.iter().enumerate().rev() {
+            let key = |id: u64| message_key(level as u8, id);
+            out.extend(l.mem.iter().map(|m| (key(m.id), m.msg.clone())));
+            let pager = self.pager.as_ref();
+            let unheld: Vec<u64> = l
+                .returned
+                .iter()
+                .filter(|r| r.msg.is_none())
+                .map(|r| key(r.id))
+                .collect();
+            let mut read = match (pager, unheld.is_empty()) {
+                (Some(p), false) => p.store.read_keys(&self.vhost, &self.name, &unheld)?,
+                _ => Vec::new(),
+            }
+            .into_iter();
+            for r in &l.returned {
+                let msg = match &r.msg {
+                    Some(m) => m.clone(),
+                    None => match read.next().flatten() {
+                        Some(m) => Arc::new(stored(m)?),
+                        None => continue,
+                    },
+                };
+                out.push((key(r.id), msg));
+            }
+            if let (Some(p), true) = (pager, l.disk_count > 0) {
+                for m in p.store.read(
+                    &self.vhost,
+                    &self.name,
+                    key(l.disk_first),
+                    key(l.disk_last),
+                    usize::MAX,
+                    usize::MAX,
+                )? {
+                    out.push((m.key, Arc::new(stored(m)?)));
+                }
+            }
+            out.extend(l.staged.iter().map(|(_, m)| (key(m.id), m.msg.clone())));
+        }
+        Ok(out)
     }
 
     /// Take out the ready messages with these store keys (`Op::Remove` applied where it was

@@ -20,4 +20,5 @@ mod hardening;
 mod paging;
 mod perf;
 mod queue;
+mod replay;
 mod routing;
