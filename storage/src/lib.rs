@@ -12,6 +12,7 @@
 pub mod codec;
 pub mod mem;
 pub mod op;
+pub mod op_codec;
 pub mod rocks;
 pub mod testing;
 

@@ -1,7 +1,11 @@
 //! The state changes of a broker, as values.
 //!
-//! Only add variants at the end: the on-disk encoding (next: RocksDB store) tags each op with its
-//! position, and a tag is never renumbered.
+//! An op's binary encoding is in [`crate::op_codec`] (what the committer is to write and the
+//! cluster to ship; not wired in yet): a versioned entry of ops, each with an explicit tag given
+//! there by a named constant, never by the variant's position. Tags are never renumbered or
+//! reused; a new variant needs the next free tag and its encoding there (the encoder's exhaustive
+//! `match` does not compile without them) and a golden-byte test. The stores keep their own
+//! records of what ops change (`codec`), not the ops' encoding.
 
 use bytes::Bytes;
 pub use warren_protocol::Body;
