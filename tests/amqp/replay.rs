@@ -304,7 +304,7 @@ async fn applying_the_recorded_ops_to_a_fresh_broker_gives_the_same_state() {
     workload(&server).await;
     // The connection's teardown (requeues) has run once a new connection sees its effects.
     let deadline = std::time::Instant::now() + WAIT;
-    while server.shared.registry.len() > 0 {
+    while !server.shared.registry.is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the connection never went"
@@ -357,6 +357,9 @@ async fn applying_the_recorded_ops_to_a_fresh_broker_gives_the_same_state() {
         |op| matches!(op, warren_storage::Op::DeleteExchange { name, .. } if name.starts_with("rx.ad"))
     ));
 
+    // As a replica gets them: encoded (the versioned op encoding) and decoded again.
+    let shipped = warren_storage::op_codec::encode_ops(&ops);
+    let ops = warren_storage::op_codec::decode_ops(shipped).unwrap();
     let mut fresh = warren::broker::Broker::new();
     let mut fx = Vec::new();
     for op in &ops {
