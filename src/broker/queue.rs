@@ -301,6 +301,15 @@ impl Queue {
         }
     }
 
+    /// How long a message lives in this queue (ms): the queue's x-message-ttl or the message's
+    /// expiration, whichever is shorter.
+    pub fn ttl(&self, msg: &Message) -> Option<u64> {
+        match (self.message_ttl, msg.expiration) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
     /// Whether this queue's persistent messages live in the store (durable, not exclusive).
     pub fn is_stored(&self) -> bool {
         self.durable && !self.exclusive
@@ -893,13 +902,21 @@ impl Queue {
     }
 
     /// Every ready message in delivery order (priority levels high to low, then by id) with its
-    /// store key: memory, paged-out requeues and the disk part read back from the store,
-    /// staged. For comparing brokers (`Broker::replicated_view`), not for delivery.
-    pub fn ready_messages(&self) -> Result<Vec<(u64, Arc<Message>)>, warren_storage::StoreError> {
+    /// store key and expiry: memory, paged-out requeues and the disk part read back from the
+    /// store, staged. For comparing brokers and snapshots (`Broker::replicated_view`), not for
+    /// delivery.
+    #[allow(clippy::type_complexity)]
+    pub fn ready_messages(
+        &self,
+    ) -> Result<Vec<(u64, Arc<Message>, Option<u64>)>, warren_storage::StoreError> {
         let mut out = Vec::with_capacity(self.count);
         for (level, l) in self.levels.iter().enumerate().rev() {
             let key = |id: u64| message_key(level as u8, id);
-            out.extend(l.mem.iter().map(|m| (key(m.id), m.msg.clone())));
+            out.extend(
+                l.mem
+                    .iter()
+                    .map(|m| (key(m.id), m.msg.clone(), m.expires_at)),
+            );
             let pager = self.pager.as_ref();
             let unheld: Vec<u64> = l
                 .returned
@@ -920,7 +937,7 @@ impl Queue {
                         None => continue,
                     },
                 };
-                out.push((key(r.id), msg));
+                out.push((key(r.id), msg, r.expires_at));
             }
             if let (Some(p), true) = (pager, l.disk_count > 0) {
                 for m in p.store.read(
@@ -931,10 +948,17 @@ impl Queue {
                     usize::MAX,
                     usize::MAX,
                 )? {
-                    out.push((m.key, Arc::new(stored(m)?)));
+                    let (k, at) = (m.key, m.timestamp_ms);
+                    let msg = stored(m)?;
+                    let expires_at = self.ttl(&msg).map(|t| at.saturating_add(t));
+                    out.push((k, Arc::new(msg), expires_at));
                 }
             }
-            out.extend(l.staged.iter().map(|(_, m)| (key(m.id), m.msg.clone())));
+            out.extend(
+                l.staged
+                    .iter()
+                    .map(|(_, m)| (key(m.id), m.msg.clone(), m.expires_at)),
+            );
         }
         Ok(out)
     }

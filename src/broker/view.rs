@@ -7,6 +7,7 @@
 use super::exchange::Dest;
 use super::{encode_table, Broker};
 use bytes::Bytes;
+use warren_storage::{BindingDest, Op};
 
 /// One durable definition or message, in a stable order (see `Broker::replicated_view`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -40,6 +41,8 @@ pub struct MessageView {
     pub routing_key: String,
     pub properties: Bytes,
     pub body: Bytes,
+    /// When it expires (ms since the epoch), from the queue's and the message's TTL.
+    pub expires_at: Option<u64>,
 }
 
 impl Broker {
@@ -91,13 +94,14 @@ impl Broker {
             let messages: Vec<MessageView> = q
                 .ready_messages()?
                 .into_iter()
-                .filter(|(_, m)| m.persistent())
-                .map(|(key, m)| MessageView {
+                .filter(|(_, m, _)| m.persistent())
+                .map(|(key, m, expires_at)| MessageView {
                     key,
                     exchange: m.exchange.to_string(),
                     routing_key: m.routing_key.to_string(),
                     properties: m.raw_properties.clone(),
                     body: m.body.to_bytes(),
+                    expires_at,
                 })
                 .collect();
             view.queues.push(QueueView {
@@ -113,5 +117,102 @@ impl Broker {
         view.queues.sort();
         view.bindings.sort();
         Ok(view)
+    }
+}
+
+impl Broker {
+    /// Ops that rebuild the replicated state on an empty broker: durable exchanges, stored
+    /// queues, bindings between them, users, then every stored queue's persistent ready
+    /// messages in order (one `Enqueue` each, with the publish time its expiry implies). What
+    /// a node that joins a cluster, or one too far behind, starts from before the log's tail
+    /// (a logical snapshot: applying `snapshot_ops` and then the ops recorded after it gives
+    /// the state of applying everything, `broker::tests`). Messages on disk are read back.
+    pub fn snapshot_ops(&self) -> Result<Vec<Op>, warren_storage::StoreError> {
+        let mut ops = Vec::new();
+        let mut bindings = Vec::new();
+        let mut vhosts: Vec<&String> = self.vhosts.keys().collect();
+        vhosts.sort();
+        for vname in &vhosts {
+            let v = &self.vhosts[*vname];
+            let mut exchanges: Vec<_> = v
+                .exchanges
+                .values()
+                .filter(|x| x.durable && !x.name.is_empty())
+                .collect();
+            exchanges.sort_by(|a, b| a.name.cmp(&b.name));
+            for x in exchanges {
+                ops.push(Op::DeclareExchange {
+                    vhost: vname.to_string(),
+                    name: x.name.clone(),
+                    kind: x.kind.as_str().to_string(),
+                    durable: true,
+                    auto_delete: x.auto_delete,
+                    internal: x.internal,
+                    arguments: encode_table(&x.arguments),
+                });
+                for b in &x.bindings {
+                    let destination = match &b.dest {
+                        Dest::Queue(id) => match self.queues.get(id) {
+                            Some(q) if q.is_stored() => BindingDest::Queue(q.name.to_string()),
+                            _ => continue,
+                        },
+                        Dest::Exchange(name) => match v.exchanges.get(name) {
+                            Some(d) if d.durable => BindingDest::Exchange(name.clone()),
+                            _ => continue,
+                        },
+                    };
+                    bindings.push(Op::Bind {
+                        vhost: vname.to_string(),
+                        source: x.name.clone(),
+                        destination,
+                        routing_key: b.routing_key.clone(),
+                        arguments: encode_table(&b.arguments),
+                    });
+                }
+            }
+        }
+        let mut queues: Vec<(&super::QueueId, &super::Queue)> =
+            self.queues.iter().filter(|(_, q)| q.is_stored()).collect();
+        queues.sort_by_key(|(id, _)| **id);
+        for (_, q) in &queues {
+            ops.push(Op::DeclareQueue {
+                vhost: q.vhost.to_string(),
+                name: q.name.to_string(),
+                durable: true,
+                exclusive: false,
+                auto_delete: q.auto_delete,
+                arguments: encode_table(&q.arguments),
+            });
+        }
+        ops.extend(bindings);
+        for (name, u) in &self.users {
+            ops.push(Op::PutUser {
+                name: name.clone(),
+                password_hash: u.password_hash.clone(),
+                tags: u.tags.clone(),
+            });
+        }
+        for (_, q) in &queues {
+            for (key, m, expires_at) in q.ready_messages()? {
+                if !m.persistent() {
+                    continue;
+                }
+                let timestamp_ms = match (expires_at, q.ttl(&m)) {
+                    (Some(at), Some(ttl)) => at.saturating_sub(ttl),
+                    _ => 0,
+                };
+                ops.push(Op::Enqueue {
+                    vhost: q.vhost.clone(),
+                    queues: smallvec::smallvec![(q.name.clone(), warren_storage::key_level(key))],
+                    id: warren_storage::key_id(key),
+                    timestamp_ms,
+                    exchange: m.exchange.clone(),
+                    routing_key: m.routing_key.clone(),
+                    properties: m.raw_properties.clone(),
+                    body: m.body.clone(),
+                });
+            }
+        }
+        Ok(ops)
     }
 }
