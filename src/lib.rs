@@ -11,7 +11,6 @@ mod handlers;
 pub mod log_limit;
 pub mod memory;
 pub mod mgmt;
-pub mod perf;
 pub mod server;
 
 pub use config::Config;
