@@ -15,7 +15,6 @@ mod handlers;
 pub mod http;
 pub mod log_limit;
 pub mod memory;
-pub mod perf;
 pub mod registry;
 pub mod server;
 

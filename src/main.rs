@@ -34,7 +34,7 @@ enum Command {
     /// Run the broker (the default).
     Server(ServerArgs),
     /// Load a broker and report rates and latencies (RabbitMQ's PerfTest, in spirit).
-    Perf(warren::perf::PerfArgs),
+    Perf(warren_perf::PerfArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -108,7 +108,7 @@ fn main() -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     match cli.command {
         Some(Command::Server(a)) => runtime.block_on(serve(a)),
-        Some(Command::Perf(a)) => runtime.block_on(warren::perf::run(a)).map(|_| ()),
+        Some(Command::Perf(a)) => runtime.block_on(warren_perf::run(a)).map(|_| ()),
         None => runtime.block_on(serve(cli.server)),
     }
 }

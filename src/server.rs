@@ -172,10 +172,10 @@ impl Shared {
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         use anyhow::Context;
         let path = config.data_dir.join("store");
-        let options = warren_storage::rocks::OpenOptions {
+        let options = warren_rocks::OpenOptions {
             recover_damaged: config.recover_damaged,
         };
-        let store = match warren_storage::rocks::RocksStore::open_with(&path, &options) {
+        let store = match warren_rocks::RocksStore::open_with(&path, &options) {
             Ok(store) => store,
             Err(e @ warren_storage::StoreError::Corrupt { .. }) if !config.recover_damaged => {
                 return Err(anyhow::Error::new(e).context(format!(
@@ -222,8 +222,7 @@ impl Shared {
         broker.enable_journal();
         let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
-        let store_files =
-            store.max_open_files() as u64 + warren_storage::rocks::open::STORE_OTHER_FILES;
+        let store_files = store.max_open_files() as u64 + warren_rocks::open::STORE_OTHER_FILES;
         let store: Arc<dyn warren_storage::Store> = match config.sync_delay {
             Some(delay) => Arc::new(SlowSync {
                 inner: Arc::new(store),

@@ -1251,7 +1251,14 @@ impl Broker {
                     .copied()
                     .ok_or_else(|| AmqpError::not_found(format!("no {}", qname(vhost, name))))?,
             ),
-            BindingDest::Exchange(name) => Dest::Exchange(name.clone()),
+            // A binding to an exchange that is not there is refused, as one to a missing
+            // queue is (the live path checks first; a replayed op must not make one either).
+            BindingDest::Exchange(name) => {
+                if !self.vhost(vhost)?.exchanges.contains_key(name) {
+                    return Err(AmqpError::not_found(format!("no {}", xname(vhost, name))));
+                }
+                Dest::Exchange(name.clone())
+            }
         })
     }
 

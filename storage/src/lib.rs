@@ -6,14 +6,14 @@
 //! followers all change the broker's state through one `apply(op)` in the server, so a store
 //! only keeps what the ops say, faithfully.
 //!
-//! Two stores implement the trait: [`mem::MemStore`] (tests, transient brokers) and
-//! [`rocks::RocksStore`]; [`testing::conformance`] is one suite both must pass.
+//! Two stores implement the trait: [`mem::MemStore`] (tests, transient brokers) here, and
+//! `RocksStore` in the `warren-rocks` crate (this crate does not depend on RocksDB);
+//! [`testing::conformance`] is one suite both must pass.
 
 pub mod codec;
 pub mod mem;
 pub mod op;
 pub mod op_codec;
-pub mod rocks;
 pub mod testing;
 
 pub use op::{BindingDest, Name, Op, QueueLevels};

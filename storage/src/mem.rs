@@ -271,8 +271,9 @@ impl Store for MemStore {
     }
 }
 
-/// Per-level summaries of (key, body size, carries an expiration) given in key order.
-pub(crate) fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSummary> {
+/// Per-level summaries of (key, body size, carries an expiration) given in key order: what a
+/// store implementation reports in [`QueueSummary::levels`] at recovery.
+pub fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSummary> {
     let mut levels: Vec<LevelSummary> = Vec::new();
     for (k, size, expires) in entries {
         let level = crate::key_level(k);

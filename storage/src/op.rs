@@ -234,10 +234,10 @@ struct MessageRef<'a> {
     body: &'a Body,
 }
 
-// Ops rebuilt from stored records (recovery).
+// Ops rebuilt from stored records (recovery), for store implementations.
 
-/// The op that recreates a stored user.
-pub(crate) fn put_user(name: &str, u: &crate::codec::UserRecord) -> Op {
+/// The op that recreates a stored user (for store implementations, at recovery).
+pub fn put_user(name: &str, u: &crate::codec::UserRecord) -> Op {
     Op::PutUser {
         name: name.to_string(),
         password_hash: u.password_hash.clone(),
@@ -245,7 +245,8 @@ pub(crate) fn put_user(name: &str, u: &crate::codec::UserRecord) -> Op {
     }
 }
 
-pub(crate) fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::ExchangeRecord) -> Op {
+/// The op that recreates a stored exchange (for store implementations, at recovery).
+pub fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::ExchangeRecord) -> Op {
     Op::DeclareExchange {
         vhost: vhost.to_string(),
         name: name.to_string(),
@@ -257,7 +258,8 @@ pub(crate) fn declare_exchange(vhost: &str, name: &str, x: &crate::codec::Exchan
     }
 }
 
-pub(crate) fn declare_queue(vhost: &str, name: &str, q: &crate::codec::QueueRecord) -> Op {
+/// The op that recreates a stored queue (for store implementations, at recovery).
+pub fn declare_queue(vhost: &str, name: &str, q: &crate::codec::QueueRecord) -> Op {
     Op::DeclareQueue {
         vhost: vhost.to_string(),
         name: name.to_string(),
@@ -268,7 +270,8 @@ pub(crate) fn declare_queue(vhost: &str, name: &str, q: &crate::codec::QueueReco
     }
 }
 
-pub(crate) fn bind(b: &crate::codec::BindingKey) -> Op {
+/// The op that recreates a stored binding (for store implementations, at recovery).
+pub fn bind(b: &crate::codec::BindingKey) -> Op {
     Op::Bind {
         vhost: b.vhost.clone(),
         source: b.source.clone(),

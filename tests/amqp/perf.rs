@@ -6,10 +6,10 @@ use clap::Parser;
 #[derive(Parser)]
 struct Cli {
     #[command(flatten)]
-    perf: warren::perf::PerfArgs,
+    perf: warren_perf::PerfArgs,
 }
 
-fn args(server: &TestServer, extra: &[&str]) -> warren::perf::PerfArgs {
+fn args(server: &TestServer, extra: &[&str]) -> warren_perf::PerfArgs {
     let mut argv = vec![
         "perf".to_string(),
         "--uri".into(),
@@ -23,7 +23,7 @@ fn args(server: &TestServer, extra: &[&str]) -> warren::perf::PerfArgs {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn perf_publishes_confirms_and_consumes_every_message() {
     let server = TestServer::start().await;
-    let summary = warren::perf::run(args(
+    let summary = warren_perf::run(args(
         &server,
         &[
             "--count",
@@ -57,7 +57,7 @@ async fn perf_publishes_confirms_and_consumes_every_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn perf_fanout_counts_every_copy() {
     let server = TestServer::start().await;
-    let summary = warren::perf::run(args(
+    let summary = warren_perf::run(args(
         &server,
         &[
             "--count",
@@ -95,7 +95,7 @@ async fn perf_publish_only_then_drain_only() {
     ];
     let mut fill = common.to_vec();
     fill.extend(["--consumers", "0", "--confirm", "100", "--random-body"]);
-    let summary = warren::perf::run(args(&server, &fill)).await.unwrap();
+    let summary = warren_perf::run(args(&server, &fill)).await.unwrap();
     assert_eq!(summary.published, 3000);
     assert_eq!(summary.confirmed, 3000);
     assert_eq!(summary.consumed, 0);
@@ -111,7 +111,7 @@ async fn perf_publish_only_then_drain_only() {
         "--multi-ack-every",
         "7",
     ]);
-    let summary = warren::perf::run(args(&server, &drain)).await.unwrap();
+    let summary = warren_perf::run(args(&server, &drain)).await.unwrap();
     assert_eq!(summary.published, 0);
     assert_eq!(summary.consumed, 3000);
     assert!(summary.consumed_per_sec > 0.0);
@@ -145,7 +145,7 @@ async fn perf_spreads_workers_over_more_queues() {
     let mut fill = common.to_vec();
     // Confirmed: all 99 are queued when the run returns.
     fill.extend(["--consumers", "0", "--confirm", "10"]);
-    let summary = warren::perf::run(args(&server, &fill)).await.unwrap();
+    let summary = warren_perf::run(args(&server, &fill)).await.unwrap();
     assert_eq!(summary.confirmed, 99);
     assert_eq!(summary.messages_left, Some(99));
     let conn = server.connect().await;
@@ -166,7 +166,7 @@ async fn perf_spreads_workers_over_more_queues() {
     }
     let mut drain = common.to_vec();
     drain.extend(["--producers", "0", "--auto-ack"]);
-    let summary = warren::perf::run(args(&server, &drain)).await.unwrap();
+    let summary = warren_perf::run(args(&server, &drain)).await.unwrap();
     assert_eq!(summary.consumed, 99);
     assert_eq!(summary.messages_left, Some(0));
 }

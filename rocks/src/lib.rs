@@ -1,3 +1,6 @@
+//! Warren's RocksDB store: [`RocksStore`] implements `warren_storage::Store` (and passes its
+//! conformance suite, `tests/conformance.rs`).
+//!
 //! The RocksDB store. Column families: `meta` (definitions), `messages` (every queue's
 //! messages, keyed by the queue, then `message_key(level, id)` big-endian, so a queue's keys
 //! are contiguous and iterate in delivery order within a priority level), and `shared`
@@ -43,13 +46,6 @@ mod maintenance;
 pub mod open;
 mod salvage;
 
-use crate::codec::{
-    decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
-    QueueRecord, UserRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX, SHARED_TAG,
-    USER_PREFIX,
-};
-use crate::op::{BindingDest, Op};
-use crate::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 use bytes::Bytes;
 use open::{lock, map_err, Mode, Tuning, SENTINEL};
 use rocksdb::{
@@ -59,6 +55,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use warren_storage::codec::{
+    decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
+    QueueRecord, UserRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX, SHARED_TAG,
+    USER_PREFIX,
+};
+use warren_storage::op::{BindingDest, Op};
+use warren_storage::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 
 type Db = DBWithThreadMode<MultiThreaded>;
 
@@ -763,14 +766,14 @@ impl View<'_> {
                     b.logged(self)?;
                     let (batch, reclaim) = (&mut b.logged, &mut b.reclaim);
                     if let [(q, level)] = &queues[..] {
-                        let key = crate::message_key(*level, *id);
+                        let key = warren_storage::message_key(*level, *id);
                         let k = message_key_in(&mut key_buf, vhost, q, key);
                         keep_out_of_reclaim(reclaim, k);
                         batch.put_cf(&messages, k, value);
                     } else if queues.len() > 1 {
                         batch.put_cf(&shared, id.to_be_bytes(), value);
                         for (q, level) in queues {
-                            let key = crate::message_key(*level, *id);
+                            let key = warren_storage::message_key(*level, *id);
                             let k = message_key_in(&mut key_buf, vhost, q, key);
                             keep_out_of_reclaim(reclaim, k);
                             batch.put_cf(&messages, k, [SHARED_TAG]);
@@ -867,17 +870,17 @@ impl View<'_> {
         let mut ops = Vec::new();
         for (_, _, name, v) in self.meta_entities(USER_PREFIX)? {
             let u = UserRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
-            ops.push(crate::op::put_user(&name, &u));
+            ops.push(warren_storage::op::put_user(&name, &u));
         }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
-            ops.push(crate::op::declare_exchange(&vhost, &name, &x));
+            ops.push(warren_storage::op::declare_exchange(&vhost, &name, &x));
         }
         let queues = self.meta_entities(QUEUE_PREFIX)?;
         let mut known = std::collections::HashSet::new();
         for (_, vhost, name, v) in &queues {
             let q = QueueRecord::decode(v.clone()).map_err(|e| self.corrupt(e.to_string()))?;
-            ops.push(crate::op::declare_queue(vhost, name, &q));
+            ops.push(warren_storage::op::declare_queue(vhost, name, &q));
             known.insert(queue_prefix(vhost, name));
         }
         let meta = self.meta()?;
@@ -888,7 +891,7 @@ impl View<'_> {
             }
             let b = BindingKey::decode(Bytes::copy_from_slice(&k))
                 .map_err(|e| self.corrupt(e.to_string()))?;
-            ops.push(crate::op::bind(&b));
+            ops.push(warren_storage::op::bind(&b));
         }
         // Shared bodies: their sizes, then the references the queues hold.
         let shared = self.shared()?;
@@ -902,7 +905,7 @@ impl View<'_> {
             let id = self.message_key(&k)?;
             let m = MessageRecord::decode(Bytes::from(v.into_vec()))
                 .map_err(|e| self.corrupt(e.to_string()))?;
-            let expires = crate::has_expiration(&m.properties);
+            let expires = warren_storage::has_expiration(&m.properties);
             sizes.insert(id, (0, m.body.len() as u64, expires));
         }
         // One pass over every queue's messages, queue by queue (keys sort by queue).
@@ -920,7 +923,7 @@ impl View<'_> {
                     summaries.push(QueueSummary {
                         vhost,
                         name,
-                        levels: crate::mem::summarize(entries.into_iter()),
+                        levels: warren_storage::mem::summarize(entries.into_iter()),
                     });
                 }
                 Ok(())
@@ -960,7 +963,7 @@ impl View<'_> {
                 MessageEntry::Whole(m) => entries.push((
                     key,
                     m.body.len() as u64,
-                    crate::has_expiration(&m.properties),
+                    warren_storage::has_expiration(&m.properties),
                 )),
                 MessageEntry::Shared => match sizes.get_mut(&key_id(key)) {
                     Some((n, size, expires)) => {
@@ -1249,7 +1252,7 @@ mod tests {
         assert_eq!(got.len(), 1);
         assert_eq!(
             got[0].body,
-            warren_protocol::Body::from(random_body(7, 4096))
+            warren_storage::op::Body::from(random_body(7, 4096))
         );
         assert!(s
             .read("/", "big", 0, u64::MAX, 10, usize::MAX)

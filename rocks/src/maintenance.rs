@@ -24,12 +24,12 @@
 
 use super::open::{self, lock, Mode};
 use super::{Db, Inner, View, MESSAGES};
-use crate::StoreError;
 use rocksdb::{BottommostLevelCompaction, CompactOptions, LiveFile, WriteBatch, WriteOptions};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+use warren_storage::StoreError;
 
 /// Table files below this size are small: a memtable's worth of incompressible messages is
 /// 8 MiB; smaller files come from compressible bodies or early flushes.

@@ -17,12 +17,12 @@
 
 use super::open::{self, lock, Mode, Tuning};
 use super::{RocksStore, MESSAGES, META, SHARED};
-use crate::codec::decode_entity_key;
-use crate::StoreError;
 use bytes::Bytes;
 use rocksdb::LiveFile;
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use warren_storage::codec::decode_entity_key;
+use warren_storage::StoreError;
 
 pub(crate) fn salvage(path: &Path, refused: StoreError) -> Result<RocksStore, StoreError> {
     tracing::warn!(reason = %refused, "the store is damaged; --recover-damaged: keeping a copy, then starting with what can be read");
@@ -71,7 +71,7 @@ fn describe_range(cf: &str, start: Option<&[u8]>, end: Option<&[u8]>) -> String 
         let (prefix, key) = k.split_at(k.len().checked_sub(8)?);
         let (_, vhost, name) = decode_entity_key(Bytes::copy_from_slice(prefix)).ok()?;
         let key = u64::from_be_bytes(key.try_into().ok()?);
-        Some((vhost, name, crate::key_id(key)))
+        Some((vhost, name, warren_storage::key_id(key)))
     };
     match cf {
         MESSAGES => match (start.and_then(message), end.and_then(message)) {
@@ -154,9 +154,9 @@ fn report(
         let mut bindings = 0;
         for op in &r.ops {
             match op {
-                crate::Op::DeclareExchange { .. } => exchanges += 1,
-                crate::Op::DeclareQueue { .. } => queues += 1,
-                crate::Op::Bind { .. } => bindings += 1,
+                warren_storage::Op::DeclareExchange { .. } => exchanges += 1,
+                warren_storage::Op::DeclareQueue { .. } => queues += 1,
+                warren_storage::Op::Bind { .. } => bindings += 1,
                 _ => {}
             }
         }

@@ -25,7 +25,6 @@
 //! - A missing MANIFEST: RocksDB cannot tell which table files are live; refused, named.
 
 use super::{Db, MESSAGES, META, SHARED};
-use crate::StoreError;
 use rocksdb::{
     BlockBasedOptions, Cache, ColumnFamilyDescriptor, DBRecoveryMode, InfoLogger, LogLevel,
     Options, WriteBufferManager, WriteOptions,
@@ -33,6 +32,7 @@ use rocksdb::{
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use warren_storage::StoreError;
 
 /// Memory the store may use for block cache and memtables (each), across all queues.
 const BLOCK_CACHE_BYTES: usize = 16 * 1024 * 1024;
