@@ -206,20 +206,25 @@ impl Shared {
         // The first start of a data folder (no user stored yet) creates the default users, as
         // RabbitMQ creates default_user only on a fresh database; they are on disk before any
         // client can log in.
+        // From here on every change is journaled (replayed definitions were not: they are
+        // what the store holds).
+        broker.enable_journal();
         let defaults = default_users(&broker, &config);
         if !defaults.is_empty() {
-            warren_storage::Store::write(&store, &defaults, true)
-                .with_context(|| format!("storing the default user in {}", path.display()))?;
+            // Through the one apply like any change; its journal written before the start
+            // goes on (the committer is not running yet).
             for op in &defaults {
                 broker
                     .apply(op, &mut fx)
                     .map_err(|e| anyhow::anyhow!("creating the default user: {e}"))?;
             }
+            let journal = broker.take_journal();
+            warren_storage::Store::write(&store, &journal, true)
+                .with_context(|| format!("storing the default user in {}", path.display()))?;
         }
         // Messages stay on disk; queues read them back a window at a time.
         let messages = broker.restore(&recovered.queues);
         broker.mark_recovered();
-        broker.enable_journal();
         let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
         let store_files = store.max_open_files() as u64 + warren_rocks::open::STORE_OTHER_FILES;
@@ -231,6 +236,10 @@ impl Shared {
             None => Arc::new(store),
         };
         let committer = Committer::start(store.clone());
+        // Journal batches taken so far are written (the default users' above).
+        committer
+            .written
+            .store(broker.journal_seq(), std::sync::atomic::Ordering::Release);
         broker.set_pager(crate::broker::queue::Pager {
             store,
             written: committer.written.clone(),

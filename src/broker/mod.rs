@@ -207,21 +207,41 @@ pub struct ExchangeDeclare {
     pub arguments: FieldTable,
 }
 
+/// The broker core. Its state is in two parts, kept apart in the types: `replicated`, what
+/// every broker that applies the same ops holds alike (changed only through `apply` and the
+/// removals it records, see `log.rs`), and `local`, what only the broker serving the clients
+/// has (connections, channels, consumers, who holds which delivery, timers' indexes, paging).
+/// A queue (`Queue`) still keeps its consumers and paging beside its messages.
 #[derive(Debug)]
 pub struct Broker {
+    replicated: Replicated,
+    local: Local,
+    /// The store writes and replicated ops of the changes made (see `log.rs`).
+    log: log::Log,
+}
+
+/// Replicated state: equal on every broker after the same ops (`view::ReplicatedView`).
+#[derive(Debug)]
+struct Replicated {
     vhosts: HashMap<String, VHost>,
     queues: FxHashMap<QueueId, Queue>,
-    conns: FxHashMap<ConnId, ConnState>,
     next_queue_id: QueueId,
+    /// The next message id: assigned by the broker serving clients and carried in the ops.
     next_message_id: u64,
+    /// Users by name (sorted: what lists them shows a stable order).
+    users: std::collections::BTreeMap<String, users::User>,
+}
+
+/// Leader-local state: what the broker serving clients keeps for them.
+#[derive(Debug)]
+struct Local {
+    conns: FxHashMap<ConnId, ConnState>,
     next_conn_id: ConnId,
     /// The time, in ms since the epoch, as the caller last set it (`set_clock`). The core never
-    /// reads a clock itself, so replaying ops gives the same state.
+    /// reads a clock itself; what a replica needs of it travels inside the ops.
     now_ms: u64,
     /// Queues that hold messages with an expiry; `expire` visits only these.
     expiring: std::collections::BTreeSet<QueueId>,
-    /// The store writes and replicated ops of the changes made (see `log.rs`).
-    log: log::Log,
     /// Where deep queues page to (with a store).
     pager: Option<Arc<queue::Pager>>,
     /// Queues holding staged messages (in memory until their store write is done).
@@ -234,9 +254,7 @@ pub struct Broker {
     reply_to: HashMap<String, (ConnId, u16)>,
     /// Woken when a queue that held publishers (`PublishOutcome::held`) is back under its
     /// window.
-    pub drained: Arc<tokio::sync::Notify>,
-    /// Users by name (sorted: what lists them shows a stable order).
-    users: std::collections::BTreeMap<String, users::User>,
+    drained: Arc<tokio::sync::Notify>,
 }
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
@@ -384,29 +402,33 @@ impl Broker {
     /// A broker with the default vhost "/" and its predeclared exchanges.
     pub fn new() -> Self {
         let mut b = Broker {
-            vhosts: HashMap::new(),
-            queues: FxHashMap::default(),
-            conns: FxHashMap::default(),
-            next_queue_id: 1,
-            next_message_id: 1,
-            next_conn_id: 1,
-            now_ms: 0,
-            expiring: Default::default(),
+            replicated: Replicated {
+                vhosts: HashMap::new(),
+                queues: FxHashMap::default(),
+                next_queue_id: 1,
+                next_message_id: 1,
+                users: Default::default(),
+            },
+            local: Local {
+                conns: FxHashMap::default(),
+                next_conn_id: 1,
+                now_ms: 0,
+                expiring: Default::default(),
+                pager: None,
+                staging: Default::default(),
+                dirty: Vec::new(),
+                expirable: Default::default(),
+                reply_to: HashMap::new(),
+                drained: Default::default(),
+            },
             log: Default::default(),
-            pager: None,
-            staging: Default::default(),
-            dirty: Vec::new(),
-            expirable: Default::default(),
-            reply_to: HashMap::new(),
-            drained: Default::default(),
-            users: Default::default(),
         };
         b.add_vhost("/");
         b
     }
 
     pub fn add_vhost(&mut self, name: &str) {
-        if self.vhosts.contains_key(name) {
+        if self.replicated.vhosts.contains_key(name) {
             return;
         }
         let mut exchanges = HashMap::new();
@@ -430,7 +452,7 @@ impl Broker {
                 ),
             );
         }
-        self.vhosts.insert(
+        self.replicated.vhosts.insert(
             name.to_string(),
             VHost {
                 exchanges,
@@ -443,7 +465,7 @@ impl Broker {
     /// record deliveries, so any of them may have reached a consumer before the restart (the
     /// flag means "may have been delivered"; `false` still always means "never delivered").
     pub fn mark_recovered(&mut self) {
-        for q in self.queues.values_mut() {
+        for q in self.replicated.queues.values_mut() {
             q.mark_all_redelivered();
         }
     }
@@ -469,6 +491,12 @@ impl Broker {
         self.log.seq
     }
 
+    /// Woken when a queue that held publishers is back under its window (the connections
+    /// those publishers are on wait on it).
+    pub fn drained(&self) -> Arc<tokio::sync::Notify> {
+        self.local.drained.clone()
+    }
+
     /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
     pub fn record_ops(&mut self) {
         self.log.ops.get_or_insert_with(Vec::new);
@@ -486,10 +514,10 @@ impl Broker {
     /// Let deep queues keep their backlog on disk (see `queue::WINDOW_MESSAGES`).
     pub fn set_pager(&mut self, pager: queue::Pager) {
         let pager = Arc::new(pager);
-        for q in self.queues.values_mut() {
+        for q in self.replicated.queues.values_mut() {
             q.pager = Some(pager.clone());
         }
-        self.pager = Some(pager);
+        self.local.pager = Some(pager);
     }
 
     /// Recovery: what each stored queue holds on disk (read back as consumers need it).
@@ -502,9 +530,10 @@ impl Broker {
             .map(|l| warren_storage::key_id(l.last))
             .max()
             .unwrap_or(0);
-        self.next_message_id = self.next_message_id.max(last + 1);
+        self.replicated.next_message_id = self.replicated.next_message_id.max(last + 1);
         for s in queues {
             let Some(id) = self
+                .replicated
                 .vhosts
                 .get(&s.vhost)
                 .and_then(|v| v.queues.get(&s.name))
@@ -512,11 +541,11 @@ impl Broker {
             else {
                 continue;
             };
-            if let Some(q) = self.queues.get_mut(&id) {
+            if let Some(q) = self.replicated.queues.get_mut(&id) {
                 q.restore(&s.levels, last);
                 total += q.message_count();
                 if q.has_expiring() {
-                    self.expiring.insert(id);
+                    self.local.expiring.insert(id);
                 }
             }
         }
@@ -529,15 +558,15 @@ impl Broker {
     fn after_requeue(&mut self, qid: QueueId, now: u64) {
         let (stored_batch, spill_batch) = (self.log.seq, self.log.seq + 1);
         let mut spills = Vec::new();
-        let Some(q) = self.queues.get_mut(&qid) else {
+        let Some(q) = self.replicated.queues.get_mut(&qid) else {
             return;
         };
         if q.after_requeue(now, stored_batch, spill_batch, &mut spills) {
-            self.dirty.push(qid);
+            self.local.dirty.push(qid);
         }
         if q.pager.is_some() {
             // The timer lets go of the paged-out messages once their batch is written.
-            self.staging.insert(qid);
+            self.local.staging.insert(qid);
         }
         for (key, msg) in spills {
             self.log.write(Op::Spill {
@@ -556,21 +585,23 @@ impl Broker {
     /// Let go of staged messages the store has written (the server calls this on a timer, so
     /// a queue nobody touches does not keep them).
     pub fn release_written(&mut self) {
-        let queues = &mut self.queues;
-        self.staging
+        let queues = &mut self.replicated.queues;
+        self.local
+            .staging
             .retain(|id| queues.get_mut(id).is_some_and(|q| q.release_all_written()));
     }
 
     /// Hand out again the backlog of queues whose read from the store failed (called on a
     /// timer: a failed read must not leave consumers waiting for the next publish or ack).
     pub fn retry_reads(&mut self, fx: &mut Vec<Effect>) {
-        let Some(pager) = &self.pager else {
+        let Some(pager) = &self.local.pager else {
             return;
         };
         if !pager.read_failed.swap(false, Ordering::Relaxed) {
             return;
         }
         let failed: Vec<QueueId> = self
+            .replicated
             .queues
             .iter_mut()
             .filter(|(_, q)| q.read_failed)
@@ -586,33 +617,35 @@ impl Broker {
 
     /// Ready messages held in memory, across all queues (for tests and reports).
     pub fn messages_in_memory(&self) -> usize {
-        self.queues.values().map(|q| q.in_memory()).sum()
+        self.replicated.queues.values().map(|q| q.in_memory()).sum()
     }
 
     /// How many consumers a queue has.
     pub fn consumer_count(&self, vhost: &str, queue: &str) -> Option<usize> {
         let id = self.queue_id(vhost, queue).ok()?;
-        self.queues.get(&id).map(|q| q.consumers.len())
+        self.replicated.queues.get(&id).map(|q| q.consumers.len())
     }
 
     /// How many messages a queue has paged out to the store past its window since it was
     /// declared (RabbitMQ reports the like as `messages_paged_out`).
     pub fn paged_out(&self, vhost: &str, queue: &str) -> Option<u64> {
         let id = self.queue_id(vhost, queue).ok()?;
-        self.queues.get(&id).map(|q| q.paged_out)
+        self.replicated.queues.get(&id).map(|q| q.paged_out)
     }
 
     /// Whether an op changes durable state (checked against the state before it is applied).
     fn is_durable(&self, op: &Op) -> bool {
         let queue_stored = |vhost: &str, name: &str| {
-            self.vhosts
+            self.replicated
+                .vhosts
                 .get(vhost)
                 .and_then(|v| v.queues.get(name))
-                .and_then(|id| self.queues.get(id))
+                .and_then(|id| self.replicated.queues.get(id))
                 .is_some_and(|q| q.is_stored())
         };
         let exchange_durable = |vhost: &str, name: &str| {
-            self.vhosts
+            self.replicated
+                .vhosts
                 .get(vhost)
                 .and_then(|v| v.exchanges.get(name))
                 .is_some_and(|x| x.durable && !name.is_empty())
@@ -653,31 +686,31 @@ impl Broker {
 
     /// A user, by name.
     pub fn user(&self, name: &str) -> Option<&users::User> {
-        self.users.get(name)
+        self.replicated.users.get(name)
     }
 
     /// Whether any user exists (a data folder that has none gets its default user).
     pub fn has_users(&self) -> bool {
-        !self.users.is_empty()
+        !self.replicated.users.is_empty()
     }
 
     /// Set the time (ms since the epoch) the following calls see.
     pub fn set_clock(&mut self, now_ms: u64) {
-        self.now_ms = self.now_ms.max(now_ms);
+        self.local.now_ms = self.local.now_ms.max(now_ms);
     }
 
     /// Drop expired messages at the head of every queue that has some; returns how many went.
     pub fn expire(&mut self, fx: &mut Vec<Effect>) -> usize {
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         let mut dropped = 0;
         let mut done = Vec::new();
-        for id in &self.expiring {
-            match self.queues.get_mut(id) {
+        for id in &self.local.expiring {
+            match self.replicated.queues.get_mut(id) {
                 Some(q) => {
                     let n = q.drop_expired_reading(now, 1);
                     if n > 0 {
                         dropped += n;
-                        self.dirty.push(*id);
+                        self.local.dirty.push(*id);
                     }
                     if !q.has_expiring() {
                         done.push(*id);
@@ -687,15 +720,16 @@ impl Broker {
             }
         }
         for id in done {
-            self.expiring.remove(&id);
+            self.local.expiring.remove(&id);
         }
         // x-expires: a queue unused (no consumer, no declare, no get) that long goes, with its
         // messages (not dead-lettered, as in RabbitMQ).
         let unused: Vec<QueueId> = self
+            .local
             .expirable
             .iter()
             .filter(|id| {
-                self.queues.get(id).is_some_and(|q| {
+                self.replicated.queues.get(id).is_some_and(|q| {
                     q.consumers.is_empty()
                         && q.expires
                             .is_some_and(|e| now >= q.last_used.saturating_add(e))
@@ -716,9 +750,9 @@ impl Broker {
     /// messages it holds go back to their queues. Only that consumer is affected; its channel
     /// stays open. Returns how many consumers were cancelled.
     pub fn enforce_ack_timeout(&mut self, timeout_ms: u64, fx: &mut Vec<Effect>) -> usize {
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         let mut stuck: Vec<(ConnId, u16, Arc<str>)> = Vec::new();
-        for (conn, c) in &self.conns {
+        for (conn, c) in &self.local.conns {
             for (ch, state) in &c.channels {
                 for u in state.unacked.values() {
                     if let Some(tag) = &u.consumer {
@@ -750,13 +784,13 @@ impl Broker {
                     }
                 }
             }
-            let now = self.now_ms;
+            let now = self.local.now_ms;
             let mut touched: Vec<QueueId> = Vec::new();
             for (qid, qm) in requeue.into_iter().rev() {
-                if let Some(q) = self.queues.get_mut(&qid) {
+                if let Some(q) = self.replicated.queues.get_mut(&qid) {
                     q.unacked -= 1;
                     if !q.requeue(qm) {
-                        self.dirty.push(qid);
+                        self.local.dirty.push(qid);
                     }
                     if !touched.contains(&qid) {
                         touched.push(qid);
@@ -782,14 +816,14 @@ impl Broker {
     /// can make other queues drop, so this runs until nothing is left (bounded).
     fn settle(&mut self, fx: &mut Vec<Effect>) {
         for _ in 0..64 {
-            if self.dirty.is_empty() {
+            if self.local.dirty.is_empty() {
                 return;
             }
-            let mut dirty = std::mem::take(&mut self.dirty);
+            let mut dirty = std::mem::take(&mut self.local.dirty);
             dirty.sort_unstable();
             dirty.dedup();
             for qid in dirty {
-                let Some(q) = self.queues.get_mut(&qid) else {
+                let Some(q) = self.replicated.queues.get_mut(&qid) else {
                     continue;
                 };
                 let dropped = std::mem::take(&mut q.dropped);
@@ -811,7 +845,7 @@ impl Broker {
         reason: DropReason,
         fx: &mut Vec<Effect>,
     ) {
-        let Some(q) = self.queues.get(&qid) else {
+        let Some(q) = self.replicated.queues.get(&qid) else {
             return;
         };
         let Some(dlx) = q.dead_letter_exchange.clone() else {
@@ -823,7 +857,7 @@ impl Broker {
             &m.msg,
             reason,
             &qname,
-            self.now_ms / 1000,
+            self.local.now_ms / 1000,
             dlrk.is_some(),
         );
         let keys: Vec<String> = match &dlrk {
@@ -854,7 +888,8 @@ impl Broker {
         let targets: Vec<QueueId> = targets
             .into_iter()
             .filter(|t| {
-                self.queues
+                self.replicated
+                    .queues
                     .get(t)
                     .is_some_and(|tq| !deadletter::is_cycle(&msg.properties, reason, &tq.name))
             })
@@ -863,17 +898,19 @@ impl Broker {
     }
 
     pub fn has_vhost(&self, name: &str) -> bool {
-        self.vhosts.contains_key(name)
+        self.replicated.vhosts.contains_key(name)
     }
 
     fn vhost(&self, vhost: &str) -> Result<&VHost, AmqpError> {
-        self.vhosts
+        self.replicated
+            .vhosts
             .get(vhost)
             .ok_or_else(|| AmqpError::not_allowed(format!("vhost {vhost} not found")))
     }
 
     fn vhost_mut(&mut self, vhost: &str) -> Result<&mut VHost, AmqpError> {
-        self.vhosts
+        self.replicated
+            .vhosts
             .get_mut(vhost)
             .ok_or_else(|| AmqpError::not_allowed(format!("vhost {vhost} not found")))
     }
@@ -882,9 +919,9 @@ impl Broker {
 
     /// Register a new connection on a vhost; returns its id.
     pub fn connection_open(&mut self, vhost: &str) -> ConnId {
-        let id = self.next_conn_id;
-        self.next_conn_id += 1;
-        self.conns.insert(
+        let id = self.local.next_conn_id;
+        self.local.next_conn_id += 1;
+        self.local.conns.insert(
             id,
             ConnState {
                 vhost: vhost.to_string(),
@@ -899,7 +936,7 @@ impl Broker {
     /// The connection went away: close its channels (requeueing what they held) and delete its
     /// exclusive queues.
     pub fn connection_close(&mut self, conn: ConnId, fx: &mut Vec<Effect>) {
-        let channels: Vec<u16> = match self.conns.get(&conn) {
+        let channels: Vec<u16> = match self.local.conns.get(&conn) {
             Some(c) => c.channels.keys().copied().collect(),
             None => return,
         };
@@ -907,6 +944,7 @@ impl Broker {
             self.channel_close(conn, ch, fx);
         }
         let mut owned: Vec<QueueId> = self
+            .replicated
             .queues
             .iter()
             .filter(|(_, q)| q.owner == Some(conn))
@@ -917,11 +955,11 @@ impl Broker {
         for id in owned {
             self.delete_queue(id, fx);
         }
-        self.conns.remove(&conn);
+        self.local.conns.remove(&conn);
     }
 
     pub fn channel_open(&mut self, conn: ConnId, ch: u16) {
-        if let Some(c) = self.conns.get_mut(&conn) {
+        if let Some(c) = self.local.conns.get_mut(&conn) {
             c.channels.insert(ch, ChannelState::new());
         }
     }
@@ -930,6 +968,7 @@ impl Broker {
     /// original places, marked redelivered.
     pub fn channel_close(&mut self, conn: ConnId, ch: u16, fx: &mut Vec<Effect>) {
         let Some(mut state) = self
+            .local
             .conns
             .get_mut(&conn)
             .and_then(|c| c.channels.remove(&ch))
@@ -941,7 +980,7 @@ impl Broker {
             state.unacked.insert(tag, u);
         }
         if let Some((_, suffix)) = &state.reply_consumer {
-            self.reply_to.remove(suffix);
+            self.local.reply_to.remove(suffix);
         }
         let mut touched: Vec<QueueId> = Vec::new();
         for consumer in &state.consumers {
@@ -950,18 +989,18 @@ impl Broker {
                 channel: ch,
                 tag: consumer.tag.clone(),
             };
-            if let Some(q) = self.queues.get_mut(&consumer.queue) {
+            if let Some(q) = self.replicated.queues.get_mut(&consumer.queue) {
                 q.remove_consumer(&key);
             }
             touched.push(consumer.queue);
         }
         // Requeue newest first so each lands in front of the ones after it.
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         for (_, u) in state.unacked.into_iter().rev() {
-            if let Some(q) = self.queues.get_mut(&u.queue) {
+            if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
                 if !q.requeue(u.qm) {
-                    self.dirty.push(u.queue);
+                    self.local.dirty.push(u.queue);
                 }
                 touched.push(u.queue);
             }
@@ -980,8 +1019,8 @@ impl Broker {
 
     /// After consumers left or messages returned: auto-delete, or dispatch.
     fn after_consumer_change(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let now = self.now_ms;
-        let Some(q) = self.queues.get_mut(&id) else {
+        let now = self.local.now_ms;
+        let Some(q) = self.replicated.queues.get_mut(&id) else {
             return;
         };
         if q.consumers.is_empty() {
@@ -995,7 +1034,8 @@ impl Broker {
     }
 
     fn channel(&mut self, conn: ConnId, ch: u16) -> Result<&mut ChannelState, AmqpError> {
-        self.conns
+        self.local
+            .conns
             .get_mut(&conn)
             .and_then(|c| c.channels.get_mut(&ch))
             .ok_or_else(|| AmqpError::channel_error(format!("channel {ch} is not open")))
@@ -1095,11 +1135,11 @@ impl Broker {
                 arguments,
             } => {
                 let arguments = decode_table(arguments)?;
-                let id = self.next_queue_id;
+                let id = self.replicated.next_queue_id;
                 let v = self.vhost_mut(vhost)?;
                 if !v.queues.contains_key(name) {
                     v.queues.insert(name.clone(), id);
-                    self.next_queue_id += 1;
+                    self.replicated.next_queue_id += 1;
                     let mut q = Queue::new(
                         name.clone(),
                         vhost.clone(),
@@ -1108,21 +1148,26 @@ impl Broker {
                         *auto_delete,
                         arguments,
                     );
-                    q.pager = self.pager.clone();
+                    q.pager = self.local.pager.clone();
                     // x-expires counts from the declaration, or from the restart that replays
                     // it (recovery used to leave durable queues with x-expires for ever).
-                    q.last_used = self.now_ms;
+                    q.last_used = self.local.now_ms;
                     if q.expires.is_some() {
-                        self.expirable.insert(id);
+                        self.local.expirable.insert(id);
                     }
-                    self.queues.insert(id, q);
+                    self.replicated.queues.insert(id, q);
                 }
             }
             Op::DeleteQueue { vhost, name } => {
                 if let Some(id) = self.vhost(vhost)?.queues.get(name).copied() {
                     // The store drops what it holds for the queue (also a non-durable queue's
                     // spills, which no replica has).
-                    if self.queues.get(&id).is_some_and(|q| q.has_storage()) {
+                    if self
+                        .replicated
+                        .queues
+                        .get(&id)
+                        .is_some_and(|q| q.has_storage())
+                    {
                         self.log.write(op.clone());
                     }
                     self.delete_queue_by_id(id, fx);
@@ -1189,7 +1234,7 @@ impl Broker {
                     .iter()
                     .filter_map(|(n, _)| v.queues.get(&**n).copied())
                     .collect();
-                self.next_message_id = self.next_message_id.max(id + 1);
+                self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
                 self.log.write(op.clone());
                 // Only the change: what a leader decides after it (deliveries, a TTL-0 drop,
                 // drop-head trimming, dead-lettering) comes as ops of its own.
@@ -1197,7 +1242,7 @@ impl Broker {
             }
             Op::Remove { vhost, queue, keys } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.queues.get_mut(&qid) {
+                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
                         // On the broker that decided it the messages had left the ready list
                         // already (delivered, dropped); elsewhere they leave it here.
                         q.remove_keys(keys);
@@ -1212,7 +1257,7 @@ impl Broker {
                 to,
             } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.queues.get_mut(&qid) {
+                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
                         q.remove_key_range(*from, *to);
                     }
                 }
@@ -1230,7 +1275,7 @@ impl Broker {
                 password_hash,
                 tags,
             } => {
-                self.users.insert(
+                self.replicated.users.insert(
                     name.clone(),
                     users::User {
                         password_hash: password_hash.clone(),
@@ -1479,7 +1524,7 @@ impl Broker {
     }
 
     fn check_exclusive(&self, conn: ConnId, id: QueueId) -> Result<(), AmqpError> {
-        if let Some(q) = self.queues.get(&id) {
+        if let Some(q) = self.replicated.queues.get(&id) {
             if q.exclusive && q.owner != Some(conn) {
                 return Err(AmqpError::resource_locked(format!(
                     "cannot obtain exclusive access to locked {}. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration.",
@@ -1492,8 +1537,8 @@ impl Broker {
 
     /// Counts for declare-ok (expired heads are dropped first, so they are not counted).
     fn info(&mut self, id: QueueId) -> QueueInfo {
-        let now = self.now_ms;
-        let Some(q) = self.queues.get_mut(&id) else {
+        let now = self.local.now_ms;
+        let Some(q) = self.replicated.queues.get_mut(&id) else {
             return QueueInfo {
                 name: String::new(),
                 message_count: 0,
@@ -1501,7 +1546,7 @@ impl Broker {
             };
         };
         if q.drop_expired(now) > 0 {
-            self.dirty.push(id);
+            self.local.dirty.push(id);
         }
         q.last_used = now;
         QueueInfo {
@@ -1523,7 +1568,7 @@ impl Broker {
             || (d.passive
                 && d.name
                     .strip_prefix("amq.rabbitmq.reply-to.")
-                    .is_some_and(|s| self.reply_to.contains_key(s)))
+                    .is_some_and(|s| self.local.reply_to.contains_key(s)))
         {
             return Ok(QueueInfo {
                 name: d.name,
@@ -1547,7 +1592,7 @@ impl Broker {
         }
         if let Some(&id) = self.vhost(vhost)?.queues.get(&d.name) {
             self.check_exclusive(conn, id)?;
-            let q = &self.queues[&id];
+            let q = &self.replicated.queues[&id];
             let what = qname(vhost, &d.name);
             for (arg, received, current) in [
                 ("durable", d.durable, q.durable),
@@ -1588,7 +1633,7 @@ impl Broker {
         )?;
         let id = self.queue_id(vhost, &name)?;
         if d.exclusive {
-            if let Some(q) = self.queues.get_mut(&id) {
+            if let Some(q) = self.replicated.queues.get_mut(&id) {
                 q.owner = Some(conn);
             }
         }
@@ -1657,7 +1702,7 @@ impl Broker {
         fx: &mut Vec<Effect>,
     ) -> Result<u32, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
-        let Some(q) = self.queues.get(&id) else {
+        let Some(q) = self.replicated.queues.get(&id) else {
             return Ok(0);
         };
         let count = q.message_count();
@@ -1674,7 +1719,7 @@ impl Broker {
     /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
     /// which is also what is replicated, since elsewhere those deliveries are ready messages.
     fn purge_queue(&mut self, id: QueueId) {
-        let Some(q) = self.queues.get_mut(&id) else {
+        let Some(q) = self.replicated.queues.get_mut(&id) else {
             return;
         };
         let (_, keys, ranges) = q.purge();
@@ -1727,7 +1772,7 @@ impl Broker {
             Err(_) => return Ok(0),
         };
         self.check_exclusive(conn, id)?;
-        let q = &self.queues[&id];
+        let q = &self.replicated.queues[&id];
         if if_unused && !q.consumers.is_empty() {
             return Err(AmqpError::precondition_failed(format!(
                 "{} in use",
@@ -1754,7 +1799,7 @@ impl Broker {
     /// A queue this broker decided to delete (x-expires, auto-delete, its exclusive owner
     /// gone), through `apply` like a client's queue.delete.
     fn delete_queue(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let Some(q) = self.queues.get(&id) else {
+        let Some(q) = self.replicated.queues.get(&id) else {
             return;
         };
         let op = Op::DeleteQueue {
@@ -1767,12 +1812,12 @@ impl Broker {
     /// Remove a queue: its bindings, its consumers (who are told), its messages. Only `exec`
     /// of a `DeleteQueue` calls this.
     fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        self.expiring.remove(&id);
-        let Some(q) = self.queues.remove(&id) else {
+        self.local.expiring.remove(&id);
+        let Some(q) = self.replicated.queues.remove(&id) else {
             return;
         };
         let mut emptied: Vec<String> = Vec::new();
-        if let Some(v) = self.vhosts.get_mut(&*q.vhost) {
+        if let Some(v) = self.replicated.vhosts.get_mut(&*q.vhost) {
             v.queues.remove(&*q.name);
             for x in v.exchanges.values_mut() {
                 if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
@@ -1780,9 +1825,10 @@ impl Broker {
                 }
             }
         }
-        self.expirable.remove(&id);
+        self.local.expirable.remove(&id);
         for key in q.consumers.into_iter().map(|c| c.key) {
             if let Some(ch) = self
+                .local
                 .conns
                 .get_mut(&key.conn)
                 .and_then(|c| c.channels.get_mut(&key.channel))
@@ -1880,14 +1926,14 @@ impl Broker {
         msg: Arc<Message>,
         fx: &mut Vec<Effect>,
     ) -> PublishOutcome {
-        let id = self.next_message_id;
-        self.next_message_id += 1;
+        let id = self.replicated.next_message_id;
+        self.replicated.next_message_id += 1;
         let total = targets.len();
         let size = msg.body.len() as u64;
         let mut rejected = false;
         let mut accepted = Targets::new();
         for t in targets {
-            let Some(q) = self.queues.get_mut(t) else {
+            let Some(q) = self.replicated.queues.get_mut(t) else {
                 continue;
             };
             if q.overflow != Overflow::DropHead && q.would_overflow(size) {
@@ -1904,7 +1950,7 @@ impl Broker {
                         },
                         DropReason::MaxLen,
                     ));
-                    self.dirty.push(*t);
+                    self.local.dirty.push(*t);
                 }
                 continue;
             }
@@ -1916,7 +1962,7 @@ impl Broker {
             let mut stored_vhost = None;
             let stored: warren_storage::QueueLevels = targets
                 .iter()
-                .filter_map(|t| self.queues.get(t))
+                .filter_map(|t| self.replicated.queues.get(t))
                 .filter(|q| q.is_stored())
                 .map(|q| {
                     stored_vhost.get_or_insert_with(|| q.vhost.clone());
@@ -1929,7 +1975,7 @@ impl Broker {
                     vhost,
                     queues: stored,
                     id,
-                    timestamp_ms: self.now_ms,
+                    timestamp_ms: self.local.now_ms,
                     exchange: msg.exchange.clone(),
                     routing_key: msg.routing_key.clone(),
                     properties: msg.raw_properties.clone(),
@@ -1937,7 +1983,7 @@ impl Broker {
                 });
             }
         }
-        let (staged, held) = self.enqueue(targets, id, self.now_ms, msg, true, fx);
+        let (staged, held) = self.enqueue(targets, id, self.local.now_ms, msg, true, fx);
         PublishOutcome {
             routed: total,
             rejected,
@@ -2062,7 +2108,7 @@ impl Broker {
         let mut any_staged = false;
         let mut held = Targets::new();
         for qid in targets {
-            let Some(q) = self.queues.get_mut(qid) else {
+            let Some(q) = self.replicated.queues.get_mut(qid) else {
                 continue;
             };
             let ttl = match (q.message_ttl, msg.expiration) {
@@ -2085,7 +2131,7 @@ impl Broker {
                 held.push(*qid);
             }
             if staged {
-                self.staging.insert(*qid);
+                self.local.staging.insert(*qid);
                 any_staged |= q.pressure() || !q.consumers.is_empty();
             }
             if staged && !stored {
@@ -2103,13 +2149,13 @@ impl Broker {
                 });
             }
             if expires_at.is_some() {
-                self.expiring.insert(*qid);
+                self.local.expiring.insert(*qid);
             }
             if !decide {
                 continue;
             }
             self.dispatch(*qid, fx);
-            if let Some(q) = self.queues.get_mut(qid) {
+            if let Some(q) = self.replicated.queues.get_mut(qid) {
                 // A message whose TTL is 0 reaches a consumer that is ready now, or nobody.
                 let mut dropped = if ttl == Some(0) {
                     q.drop_expired(at)
@@ -2121,7 +2167,7 @@ impl Broker {
                     dropped += q.trim_to_limits();
                 }
                 if dropped > 0 {
-                    self.dirty.push(*qid);
+                    self.local.dirty.push(*qid);
                 }
             }
         }
@@ -2133,8 +2179,8 @@ impl Broker {
     /// in on the connection that would stop reading.
     pub fn holding(&self, conn: ConnId, queues: &[QueueId]) -> bool {
         queues.iter().any(|q| {
-            self.queues.get(q).is_some_and(|q| {
-                q.holding(self.now_ms) && q.consumers.iter().all(|c| c.key.conn != conn)
+            self.replicated.queues.get(q).is_some_and(|q| {
+                q.holding(self.local.now_ms) && q.consumers.iter().all(|c| c.key.conn != conn)
             })
         })
     }
@@ -2182,7 +2228,7 @@ impl Broker {
                 "attempt to reuse consumer tag '{tag}'"
             )));
         }
-        let q = &self.queues[&id];
+        let q = &self.replicated.queues[&id];
         // Quorum queues have no channel-wide prefetch (RabbitMQ: a connection error).
         if q.quorum && self.channel(conn, ch)?.prefetch_channel > 0 {
             return Err(AmqpError::not_implemented(format!(
@@ -2190,7 +2236,7 @@ impl Broker {
                 qname(vhost, queue)
             )));
         }
-        let q = &self.queues[&id];
+        let q = &self.replicated.queues[&id];
         if q.exclusive_consumer.is_some() || (exclusive && !q.consumers.is_empty()) {
             return Err(AmqpError::access_refused(format!(
                 "{} in exclusive use",
@@ -2212,8 +2258,8 @@ impl Broker {
             channel: ch,
             tag: arc_tag,
         };
-        let now = self.now_ms;
-        if let Some(q) = self.queues.get_mut(&id) {
+        let now = self.local.now_ms;
+        if let Some(q) = self.replicated.queues.get_mut(&id) {
             if exclusive {
                 q.exclusive_consumer = Some(key.clone());
             }
@@ -2255,7 +2301,7 @@ impl Broker {
         }
         let suffix = random_name("");
         state.reply_consumer = Some((Arc::from(tag.as_str()), suffix.clone()));
-        self.reply_to.insert(suffix, (conn, ch));
+        self.local.reply_to.insert(suffix, (conn, ch));
         Ok(tag)
     }
 
@@ -2273,10 +2319,11 @@ impl Broker {
     /// A reply published to `amq.rabbitmq.reply-to.<suffix>` on the default exchange goes
     /// straight to the requesting channel's reply consumer. Returns whether it was delivered.
     fn deliver_reply(&mut self, suffix: &str, msg: &Arc<Message>, fx: &mut Vec<Effect>) -> bool {
-        let Some(&(conn, ch)) = self.reply_to.get(suffix) else {
+        let Some(&(conn, ch)) = self.local.reply_to.get(suffix) else {
             return false;
         };
         let Some(state) = self
+            .local
             .conns
             .get_mut(&conn)
             .and_then(|c| c.channels.get_mut(&ch))
@@ -2310,7 +2357,7 @@ impl Broker {
             .is_some_and(|(t, _)| &**t == tag)
         {
             if let Some((_, suffix)) = state.reply_consumer.take() {
-                self.reply_to.remove(&suffix);
+                self.local.reply_to.remove(&suffix);
             }
             return true;
         }
@@ -2325,7 +2372,7 @@ impl Broker {
             channel: ch,
             tag: c.tag.clone(),
         };
-        if let Some(q) = self.queues.get_mut(&c.queue) {
+        if let Some(q) = self.replicated.queues.get_mut(&c.queue) {
             q.remove_consumer(&key);
         }
         self.after_consumer_change(c.queue, fx);
@@ -2365,7 +2412,7 @@ impl Broker {
     /// The connection's writer flushed `bytes`: give them back to its delivery budget and resume
     /// deliveries that were held back.
     pub fn refill(&mut self, conn: ConnId, bytes: usize, fx: &mut Vec<Effect>) {
-        let Some(c) = self.conns.get_mut(&conn) else {
+        let Some(c) = self.local.conns.get_mut(&conn) else {
             return;
         };
         c.budget = (c.budget + bytes as i64).min(DELIVERY_BUDGET);
@@ -2386,14 +2433,17 @@ impl Broker {
 
     /// Hand ready messages of a queue to consumers with credit, round-robin.
     fn dispatch(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         let Broker {
-            queues,
-            conns,
+            replicated: Replicated { queues, .. },
+            local:
+                Local {
+                    conns,
+                    dirty,
+                    drained,
+                    ..
+                },
             log,
-            dirty,
-            drained,
-            ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
             return;
@@ -2515,13 +2565,11 @@ impl Broker {
         no_ack: bool,
     ) -> Result<Option<GetResult>, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         let Broker {
-            queues,
-            conns,
+            replicated: Replicated { queues, .. },
+            local: Local { conns, dirty, .. },
             log,
-            dirty,
-            ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
             return Ok(None);
@@ -2681,7 +2729,7 @@ impl Broker {
         let taken = self.take_unacked(conn, ch, tag, multiple)?;
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
         for u in &taken {
-            if let Some(q) = self.queues.get_mut(&u.queue) {
+            if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
             }
             if !touched.contains(&u.queue) {
@@ -2699,7 +2747,7 @@ impl Broker {
             if !u.qm.stored {
                 continue;
             }
-            if let Some(q) = self.queues.get(&u.queue) {
+            if let Some(q) = self.replicated.queues.get(&u.queue) {
                 self.log.removed(q, &u.qm);
             }
         }
@@ -2755,12 +2803,12 @@ impl Broker {
                 self.dead_letter(u.queue, &u.qm, DropReason::Rejected, fx);
             }
         }
-        let now = self.now_ms;
+        let now = self.local.now_ms;
         for u in taken.into_iter().rev() {
-            if let Some(q) = self.queues.get_mut(&u.queue) {
+            if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
                 q.unacked -= 1;
                 if requeue && !q.requeue(u.qm) {
-                    self.dirty.push(u.queue);
+                    self.local.dirty.push(u.queue);
                 }
             }
             if !touched.contains(&u.queue) {
@@ -2794,29 +2842,30 @@ impl Broker {
     }
 
     pub fn exchange_exists(&self, vhost: &str, name: &str) -> bool {
-        self.vhosts
+        self.replicated
+            .vhosts
             .get(vhost)
             .is_some_and(|v| v.exchanges.contains_key(name))
     }
 
     pub fn connection_vhost(&self, conn: ConnId) -> Option<&str> {
-        self.conns.get(&conn).map(|c| c.vhost.as_str())
+        self.local.conns.get(&conn).map(|c| c.vhost.as_str())
     }
 
     /// The channels a connection has open (0 for one not open, or gone).
     pub fn connection_channels(&self, conn: ConnId) -> usize {
-        self.conns.get(&conn).map_or(0, |c| c.channels.len())
+        self.local.conns.get(&conn).map_or(0, |c| c.channels.len())
     }
 
     /// Open connections and their channels, in all vhosts.
     pub fn connection_totals(&self) -> (usize, usize) {
-        let channels = self.conns.values().map(|c| c.channels.len()).sum();
-        (self.conns.len(), channels)
+        let channels = self.local.conns.values().map(|c| c.channels.len()).sum();
+        (self.local.conns.len(), channels)
     }
 
     /// The vhosts, sorted by name.
     pub fn vhost_names(&self) -> Vec<String> {
-        let mut names: Vec<String> = self.vhosts.keys().cloned().collect();
+        let mut names: Vec<String> = self.replicated.vhosts.keys().cloned().collect();
         names.sort();
         names
     }
@@ -2825,6 +2874,7 @@ impl Broker {
     /// management API shows them.
     pub fn queue_views(&self, vhost: Option<&str>) -> Vec<QueueView> {
         let mut out: Vec<QueueView> = self
+            .replicated
             .queues
             .values()
             .filter(|q| vhost.is_none_or(|v| *q.vhost == *v))
@@ -2850,13 +2900,14 @@ impl Broker {
     pub fn binding_views(&self, vhost: Option<&str>) -> Vec<BindingView> {
         let mut out = Vec::new();
         let mut names: Vec<&String> = self
+            .replicated
             .vhosts
             .keys()
             .filter(|v| vhost.is_none_or(|want| want == v.as_str()))
             .collect();
         names.sort();
         for vname in names {
-            let v = &self.vhosts[vname];
+            let v = &self.replicated.vhosts[vname];
             let mut queues: Vec<&String> = v.queues.keys().collect();
             queues.sort();
             for q in queues {
@@ -2874,7 +2925,7 @@ impl Broker {
             for x in exchanges {
                 for b in &x.bindings {
                     let (destination, destination_is_queue) = match &b.dest {
-                        Dest::Queue(id) => match self.queues.get(id) {
+                        Dest::Queue(id) => match self.replicated.queues.get(id) {
                             Some(q) => (q.name.to_string(), true),
                             None => continue,
                         },
@@ -2897,7 +2948,7 @@ impl Broker {
     /// The exchanges of `vhost` (all vhosts when None), sorted by vhost and name.
     pub fn exchange_views(&self, vhost: Option<&str>) -> Vec<ExchangeView> {
         let mut out = Vec::new();
-        for (vname, v) in &self.vhosts {
+        for (vname, v) in &self.replicated.vhosts {
             if vhost.is_some_and(|want| want != vname) {
                 continue;
             }

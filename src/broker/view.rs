@@ -54,7 +54,7 @@ impl Broker {
             queues: Vec::new(),
             bindings: Vec::new(),
         };
-        for (vname, v) in &self.vhosts {
+        for (vname, v) in &self.replicated.vhosts {
             for x in v
                 .exchanges
                 .values()
@@ -70,7 +70,7 @@ impl Broker {
                 ));
                 for b in &x.bindings {
                     let (dest, is_queue) = match &b.dest {
-                        Dest::Queue(id) => match self.queues.get(id) {
+                        Dest::Queue(id) => match self.replicated.queues.get(id) {
                             Some(q) if q.is_stored() => (q.name.to_string(), true),
                             _ => continue,
                         },
@@ -90,7 +90,7 @@ impl Broker {
                 }
             }
         }
-        for q in self.queues.values().filter(|q| q.is_stored()) {
+        for q in self.replicated.queues.values().filter(|q| q.is_stored()) {
             let messages: Vec<MessageView> = q
                 .ready_messages()?
                 .into_iter()
@@ -130,10 +130,10 @@ impl Broker {
     pub fn snapshot_ops(&self) -> Result<Vec<Op>, warren_storage::StoreError> {
         let mut ops = Vec::new();
         let mut bindings = Vec::new();
-        let mut vhosts: Vec<&String> = self.vhosts.keys().collect();
+        let mut vhosts: Vec<&String> = self.replicated.vhosts.keys().collect();
         vhosts.sort();
         for vname in &vhosts {
-            let v = &self.vhosts[*vname];
+            let v = &self.replicated.vhosts[*vname];
             let mut exchanges: Vec<_> = v
                 .exchanges
                 .values()
@@ -152,7 +152,7 @@ impl Broker {
                 });
                 for b in &x.bindings {
                     let destination = match &b.dest {
-                        Dest::Queue(id) => match self.queues.get(id) {
+                        Dest::Queue(id) => match self.replicated.queues.get(id) {
                             Some(q) if q.is_stored() => BindingDest::Queue(q.name.to_string()),
                             _ => continue,
                         },
@@ -171,8 +171,12 @@ impl Broker {
                 }
             }
         }
-        let mut queues: Vec<(&super::QueueId, &super::Queue)> =
-            self.queues.iter().filter(|(_, q)| q.is_stored()).collect();
+        let mut queues: Vec<(&super::QueueId, &super::Queue)> = self
+            .replicated
+            .queues
+            .iter()
+            .filter(|(_, q)| q.is_stored())
+            .collect();
         queues.sort_by_key(|(id, _)| **id);
         for (_, q) in &queues {
             ops.push(Op::DeclareQueue {
@@ -185,7 +189,7 @@ impl Broker {
             });
         }
         ops.extend(bindings);
-        for (name, u) in &self.users {
+        for (name, u) in &self.replicated.users {
             ops.push(Op::PutUser {
                 name: name.clone(),
                 password_hash: u.password_hash.clone(),
