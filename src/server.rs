@@ -34,6 +34,9 @@ pub struct Shared {
     /// The memory alarm: true while resident memory is above the high watermark. Publishing
     /// connections wait on it as on the disk alarm.
     pub memory_alarm: watch::Sender<bool>,
+    /// Woken when a queue that held publishers is back under its window (`Effect::Drained`):
+    /// the connections of those publishers wait on it.
+    pub drained: Arc<tokio::sync::Notify>,
     /// Every client connection past its protocol header, by name (the management API).
     pub registry: Registry,
     /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
@@ -162,6 +165,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
+            drained: Default::default(),
             registry: Registry::default(),
             max_connections: socket_budget(0),
         })
@@ -257,6 +261,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
+            drained: Default::default(),
             registry: Registry::default(),
             max_connections: socket_budget(store_files),
         }))
@@ -292,6 +297,10 @@ impl Shared {
                 Effect::Deliver { conn, .. }
                 | Effect::ConsumerCancelled { conn, .. }
                 | Effect::Throttled(conn) => *conn,
+                Effect::Drained => {
+                    self.drained.notify_waiters();
+                    continue;
+                }
             };
             let outbox = match last {
                 Some((c, o)) if c == conn => o,
@@ -331,6 +340,7 @@ impl Shared {
                     outbox.throttled.store(true, Ordering::Release);
                     outbox.wake.notify_one();
                 }
+                Effect::Drained => {}
             }
         }
     }

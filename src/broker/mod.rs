@@ -84,6 +84,9 @@ pub enum Effect {
     /// The connection used up its delivery budget: the server must call [`Broker::refill`] once
     /// its writer has flushed.
     Throttled(ConnId),
+    /// A queue that held publishers (`PublishOutcome::held`) is back under its window: the
+    /// connections waiting for that go on.
+    Drained,
 }
 
 /// A consumer on a channel.
@@ -252,9 +255,6 @@ struct Local {
     expirable: std::collections::BTreeSet<QueueId>,
     /// Direct reply-to addresses (`amq.rabbitmq.reply-to.<suffix>`) → the channel they reach.
     reply_to: HashMap<String, (ConnId, u16)>,
-    /// Woken when a queue that held publishers (`PublishOutcome::held`) is back under its
-    /// window.
-    drained: Arc<tokio::sync::Notify>,
 }
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
@@ -419,7 +419,6 @@ impl Broker {
                 dirty: Vec::new(),
                 expirable: Default::default(),
                 reply_to: HashMap::new(),
-                drained: Default::default(),
             },
             log: Default::default(),
         };
@@ -489,12 +488,6 @@ impl Broker {
     /// The number of the last batch `take_journal` returned.
     pub fn journal_seq(&self) -> u64 {
         self.log.seq
-    }
-
-    /// Woken when a queue that held publishers is back under its window (the connections
-    /// those publishers are on wait on it).
-    pub fn drained(&self) -> Arc<tokio::sync::Notify> {
-        self.local.drained.clone()
     }
 
     /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
@@ -2436,13 +2429,7 @@ impl Broker {
         let now = self.local.now_ms;
         let Broker {
             replicated: Replicated { queues, .. },
-            local:
-                Local {
-                    conns,
-                    dirty,
-                    drained,
-                    ..
-                },
+            local: Local { conns, dirty, .. },
             log,
         } = self;
         let Some(q) = queues.get_mut(&id) else {
@@ -2550,7 +2537,7 @@ impl Broker {
             });
         }
         if q.released() {
-            drained.notify_waiters();
+            fx.push(Effect::Drained);
         }
     }
 

@@ -142,7 +142,7 @@ async fn read_loop(
     let mut disk_alarm = shared.disk_alarm.subscribe();
     let mut memory_alarm = shared.memory_alarm.subscribe();
     // Woken when a queue that held a publisher drains (flow control, below).
-    let drained = shared.broker.lock().drained();
+    let drained = shared.drained.clone();
     let mut last_recv = Instant::now();
     // Set when we sent connection.close and wait for close-ok.
     let mut closing_deadline: Option<Instant> = None;
