@@ -236,7 +236,7 @@ fn run(
             }
             Err(e) => {
                 stats.failures.fetch_add(1, Ordering::Relaxed);
-                if let Some(unlogged) = failing.hit(std::time::Instant::now()) {
+                if let Some(unlogged) = failing.hit(crate::clock::now_ms()) {
                     error!(
                         error = %e,
                         ops = ops.len(),

@@ -6,14 +6,15 @@
 //! state.
 
 mod auth;
-pub mod broker;
+/// The broker core, its own crate (`broker/`): nothing in it can name tokio or RocksDB.
+pub use warren_broker as broker;
 mod clock;
 pub mod commit;
 pub mod config;
 pub mod conn;
 mod handlers;
 pub mod http;
-pub mod log_limit;
+pub use warren_broker::log_limit;
 pub mod memory;
 pub mod registry;
 pub mod server;

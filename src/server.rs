@@ -249,6 +249,7 @@ impl Shared {
             written: committer.written.clone(),
             hold_max_ms: config.flow_hold.as_millis() as u64,
             read_failed: Default::default(),
+            clock: Default::default(),
         });
         let limit = config.disk_free_limit;
         let connection_max = config_connection_max(&config);
@@ -542,7 +543,7 @@ pub async fn serve(
                     Ok(x) => x,
                     Err(e) => {
                         // Out of file descriptors and the like: wait a bit rather than spin.
-                        if let Some(unlogged) = accept_failing.hit(std::time::Instant::now()) {
+                        if let Some(unlogged) = accept_failing.hit(crate::clock::now_ms()) {
                             warn!(error = %e, failures_not_logged = unlogged, "accept failed");
                         }
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -553,7 +554,7 @@ pub async fn serve(
                 // closed at once: the process keeps descriptors for the store and for clients
                 // it serves. Under that, connection.open past the limit gets RabbitMQ's 530.
                 if tracker.len() >= shared.socket_max() {
-                    if let Some(unlogged) = over_limit.hit(std::time::Instant::now()) {
+                    if let Some(unlogged) = over_limit.hit(crate::clock::now_ms()) {
                         warn!(
                             %peer,
                             limit = shared.connection_max,

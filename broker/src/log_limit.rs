@@ -3,29 +3,31 @@
 //! line per interval, saying how many occurrences it stands for. Without this a full disk wrote
 //! 210,283 ERROR lines in 25 s.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How often a repeating error is logged at most.
 pub const INTERVAL: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Default, Clone)]
 pub struct Repeats {
-    last: Option<Instant>,
+    /// When the last line was logged (ms, on the caller's clock).
+    last: Option<u64>,
     /// Occurrences since the last line that was logged.
     suppressed: u64,
 }
 
 impl Repeats {
-    /// Call on each occurrence: `Some(n)` when a line should be logged now, `n` being how many
-    /// occurrences were not logged since the previous line.
-    pub fn hit(&mut self, now: Instant) -> Option<u64> {
+    /// Call on each occurrence, with the time in ms (any clock that does not run backwards by
+    /// much; the core passes its own, set by the server): `Some(n)` when a line should be
+    /// logged now, `n` being how many occurrences were not logged since the previous line.
+    pub fn hit(&mut self, now_ms: u64) -> Option<u64> {
         match self.last {
-            Some(t) if now.saturating_duration_since(t) < INTERVAL => {
+            Some(t) if now_ms.saturating_sub(t) < INTERVAL.as_millis() as u64 => {
                 self.suppressed += 1;
                 None
             }
             _ => {
-                self.last = Some(now);
+                self.last = Some(now_ms);
                 Some(std::mem::take(&mut self.suppressed))
             }
         }
@@ -47,15 +49,16 @@ mod tests {
     #[test]
     fn first_then_once_per_interval_with_counts() {
         let mut r = Repeats::default();
-        let t0 = Instant::now();
+        let t0 = 1_000_000u64;
+        let interval = INTERVAL.as_millis() as u64;
         assert_eq!(r.hit(t0), Some(0));
         for i in 1..=1000 {
-            assert_eq!(r.hit(t0 + Duration::from_millis(i)), None);
+            assert_eq!(r.hit(t0 + i), None);
         }
-        assert_eq!(r.hit(t0 + INTERVAL), Some(1000));
-        assert_eq!(r.hit(t0 + INTERVAL + Duration::from_millis(1)), None);
+        assert_eq!(r.hit(t0 + interval), Some(1000));
+        assert_eq!(r.hit(t0 + interval + 1), None);
         assert_eq!(r.clear(), Some(1));
         assert_eq!(r.clear(), None);
-        assert_eq!(r.hit(t0 + INTERVAL + Duration::from_millis(2)), Some(0));
+        assert_eq!(r.hit(t0 + interval + 2), Some(0));
     }
 }

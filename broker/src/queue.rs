@@ -40,6 +40,9 @@ pub struct Pager {
     /// Some queue could not read its backlog back (`Queue::read_failed`): the broker's timer
     /// retries (`Broker::retry_reads`).
     pub read_failed: std::sync::atomic::AtomicBool,
+    /// The broker's clock (`Broker::set_clock`), for rate-limited log lines of queues: the
+    /// core reads no clock of its own.
+    pub clock: AtomicU64,
 }
 
 impl std::fmt::Debug for Pager {
@@ -541,7 +544,7 @@ impl Queue {
             }
             Err(e) => {
                 // Retried every 50 ms while it fails: logged once per interval, with counts.
-                if let Some(unlogged) = self.read_errors.hit(std::time::Instant::now()) {
+                if let Some(unlogged) = self.read_errors.hit(pager.clock.load(Ordering::Relaxed)) {
                     tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading a queue back from the store failed; retrying");
                 }
                 self.read_failed = true;
@@ -624,7 +627,9 @@ impl Queue {
             match pager.store.read_keys(&self.vhost, &self.name, &keys) {
                 Ok(r) => read = r,
                 Err(e) => {
-                    if let Some(unlogged) = self.read_errors.hit(std::time::Instant::now()) {
+                    if let Some(unlogged) =
+                        self.read_errors.hit(pager.clock.load(Ordering::Relaxed))
+                    {
                         tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading requeued messages back from the store failed; retrying");
                     }
                     self.read_failed = true;

@@ -14,6 +14,7 @@ pub mod deadletter;
 pub mod exchange;
 pub mod headers;
 mod log;
+pub mod log_limit;
 pub mod queue;
 pub mod topic;
 pub mod users;
@@ -690,6 +691,9 @@ impl Broker {
     /// Set the time (ms since the epoch) the following calls see.
     pub fn set_clock(&mut self, now_ms: u64) {
         self.local.now_ms = self.local.now_ms.max(now_ms);
+        if let Some(p) = &self.local.pager {
+            p.clock.store(self.local.now_ms, Ordering::Relaxed);
+        }
     }
 
     /// Drop expired messages at the head of every queue that has some; returns how many went.

@@ -554,6 +554,7 @@ fn a_failed_backlog_read_is_retried_by_the_timer() {
         written: written.clone(),
         hold_max_ms: 0,
         read_failed: Default::default(),
+        clock: Default::default(),
     });
     declare(&mut b, c, "deep");
     let mut fx = Vec::new();
@@ -812,4 +813,47 @@ mod replay_property {
             prop_assert_eq!(&restored.replicated_view().unwrap(), &expected);
         }
     }
+}
+
+/// Issue 13 point 5: the core does no I/O and reads no clock of its own. Its crate cannot name
+/// tokio or RocksDB (not among its dependencies); this keeps the standard library's I/O, threads
+/// and clocks out of its source too. (A paged-out backlog is still read through the `Store`
+/// trait object the server hands it, under the broker lock: the next step moves that read out.)
+#[test]
+fn the_core_names_no_io_thread_or_clock() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let forbidden = [
+        "std::fs",
+        "std::net",
+        "std::thread",
+        "std::process",
+        "std::io::",
+        "Instant::now",
+        "SystemTime",
+        "tokio",
+    ];
+    let mut found = Vec::new();
+    let mut files = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "rs") || path.ends_with("tests.rs") {
+            continue;
+        }
+        files += 1;
+        let text = std::fs::read_to_string(&path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            for f in forbidden {
+                if code.contains(f) {
+                    found.push(format!("{}:{}: {f}", path.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        files >= 10,
+        "the core's sources were not found in {}",
+        dir.display()
+    );
+    assert!(found.is_empty(), "{found:#?}");
 }
