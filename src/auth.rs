@@ -2,17 +2,13 @@
 //! basic auth.
 
 use crate::config::Config;
-use crate::server::Shared;
+use crate::node::Shared;
 
 /// Whether these credentials may log in from `ip`: a stored user with the right password, and
 /// users in `loopback_users` (guest by default) only from a loopback address, as RabbitMQ.
 pub(crate) fn login_allowed(shared: &Shared, user: &str, pass: &str, ip: std::net::IpAddr) -> bool {
     // The hash is checked outside the broker lock.
-    let hash = shared
-        .broker
-        .lock()
-        .user(user)
-        .map(|u| u.password_hash.clone());
+    let hash = shared.query(|b| b.user(user).map(|u| u.password_hash.clone()));
     hash.is_some_and(|h| crate::broker::users::password_matches(&h, pass))
         && from_allowed_address(&shared.config, user, ip)
 }

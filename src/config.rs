@@ -44,7 +44,7 @@ pub struct Config {
     /// slow disk), so tests can show that no reply waiting for an fsync leaves before it.
     pub sync_delay: Option<Duration>,
     /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
-    /// the process's file descriptor limit (`server::default_connection_max`).
+    /// the process's file descriptor limit (`node::default_connection_max`).
     pub connection_max: Option<usize>,
     /// Block publishers while the process's resident memory is above this (RabbitMQ's
     /// vm_memory_high_watermark: 0.4 of the machine's memory by default).

@@ -16,8 +16,10 @@ mod handlers;
 pub mod http;
 pub use warren_broker::log_limit;
 pub mod memory;
+pub mod node;
 pub mod registry;
 pub mod server;
 
 pub use config::Config;
-pub use server::{run, serve, Shared};
+pub use node::Shared;
+pub use server::{run, serve};

@@ -5,8 +5,8 @@ pub mod outbox;
 pub mod session;
 
 use crate::broker::DELIVERY_BUDGET;
+use crate::node::Shared;
 use crate::registry::ConnInfo;
-use crate::server::Shared;
 use futures::{FutureExt, StreamExt};
 use outbox::Outbox;
 use session::{Next, Session};
@@ -203,12 +203,13 @@ async fn read_loop(
                 let notified = drained.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                {
-                    let mut broker = shared.broker.lock();
-                    broker.set_clock(crate::clock::now_ms());
-                    if !broker.holding(session.conn, &hold) {
-                        break;
-                    }
+                let conn = session.conn;
+                let (holding, _) =
+                    shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |broker, _| {
+                        broker.holding(conn, &hold)
+                    });
+                if !holding {
+                    break;
                 }
                 tokio::select! {
                     _ = notified => {}
@@ -403,14 +404,13 @@ fn refill(shared: &Shared, outbox: &Outbox) {
     if conn == 0 {
         return;
     }
-    let mut fx = Vec::new();
-    let mut broker = shared.lock();
-    // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
-    if outbox.is_empty() {
-        outbox.throttled.store(false, Ordering::Release);
-        broker.refill(conn, DELIVERY_BUDGET as usize, &mut fx);
-        shared.apply_effects(&mut fx);
-    }
+    shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |broker, fx| {
+        // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
+        if outbox.is_empty() {
+            outbox.throttled.store(false, Ordering::Release);
+            broker.refill(conn, DELIVERY_BUDGET as usize, fx);
+        }
+    });
 }
 
 #[cfg(test)]

@@ -2,10 +2,9 @@
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
 use crate::broker::{Broker, ConnId, Effect};
-use crate::clock::now_ms;
 use crate::commit::Done;
 use crate::conn::outbox::Outbox;
-use crate::server::Shared;
+use crate::node::{Caller, Shared};
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::FieldTable;
@@ -166,11 +165,9 @@ pub(crate) fn core<R>(
     ctx: &mut CoreCtx,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let mut broker = shared.lock_notify(Some(ctx.notify.clone()));
-    broker.set_clock(now_ms());
-    let r = f(&mut broker, &mut ctx.fx);
-    shared.apply_effects(&mut ctx.fx);
-    ctx.last_ticket = broker.flush();
+    let notify = ctx.notify.clone();
+    let (r, ticket) = shared.execute(Caller::Conn { notify: &notify }, &mut ctx.fx, f);
+    ctx.last_ticket = ticket;
     r
 }
 
@@ -195,14 +192,14 @@ pub(crate) fn core_durable_after<R>(
     after: Option<u64>,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let mut broker = shared.lock_notify(Some(ctx.notify.clone()));
-    broker.set_clock(now_ms());
-    // Inside the lock and before `f` pushes the reply (see `Outbox::hold_begin`).
-    let began = outbox.hold_begin();
-    let r = f(&mut broker, &mut ctx.fx);
-    shared.apply_effects(&mut ctx.fx);
-    ctx.last_ticket = broker.flush().max(after);
-    outbox.hold_end(began, ctx.last_ticket);
+    let notify = ctx.notify.clone();
+    let caller = Caller::Reply {
+        notify: &notify,
+        outbox,
+        after,
+    };
+    let (r, ticket) = shared.execute(caller, &mut ctx.fx, f);
+    ctx.last_ticket = ticket;
     r
 }
 

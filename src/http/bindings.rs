@@ -4,7 +4,7 @@
 use super::json::{arguments, body_object, table_json};
 use super::{bad_request, change, in_vhost, no_content, not_found, Api};
 use crate::broker::BindingView;
-use crate::server::Shared;
+use crate::node::Shared;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -47,7 +47,7 @@ fn binding_list(
     vhost: Option<&str>,
     keep: impl Fn(&BindingView) -> bool,
 ) -> Response {
-    let list = shared.broker.lock().binding_views(vhost);
+    let list = shared.query(|b| b.binding_views(vhost));
     Json(Value::Array(
         list.iter().filter(|b| keep(b)).map(binding_json).collect(),
     ))
@@ -75,12 +75,7 @@ pub(super) async fn queue_bindings(
 }
 
 fn queue_exists(shared: &Shared, vhost: &str, name: &str) -> bool {
-    shared
-        .broker
-        .lock()
-        .queue_views(Some(vhost))
-        .iter()
-        .any(|q| q.name == name)
+    shared.query(|b| b.queue_views(Some(vhost)).iter().any(|q| q.name == name))
 }
 
 /// The `q` or `e` of a binding path: whether the destination is a queue.
@@ -100,12 +95,12 @@ fn binding_ends_exist(
     to_queue: bool,
     dest: &str,
 ) -> bool {
-    let source_exists = shared.broker.lock().exchange_exists(vhost, source);
+    let source_exists = shared.query(|b| b.exchange_exists(vhost, source));
     source_exists
         && if to_queue {
             queue_exists(shared, vhost, dest)
         } else {
-            shared.broker.lock().exchange_exists(vhost, dest)
+            shared.query(|b| b.exchange_exists(vhost, dest))
         }
 }
 
@@ -134,7 +129,7 @@ pub(super) async fn binding_one(
     let Some(to_queue) = destination_kind(&kind) else {
         return not_found();
     };
-    let list = shared.broker.lock().binding_views(Some(&vhost));
+    let list = shared.query(|b| b.binding_views(Some(&vhost)));
     match list.iter().find(|b| {
         b.source == source
             && b.destination == dest

@@ -2,8 +2,8 @@
 
 use super::json::table_json;
 use super::{node_name, not_found, Api};
+use crate::node::Shared;
 use crate::registry::ConnInfo;
-use crate::server::Shared;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +15,7 @@ fn connection_json(shared: &Shared, c: &ConnInfo) -> Value {
     // The broker lock is not taken with the details' lock held (no lock nests in another here).
     let conn = c.details.lock().conn;
     let channels = if conn != 0 {
-        shared.broker.lock().connection_channels(conn)
+        shared.query(|b| b.connection_channels(conn))
     } else {
         0
     };

@@ -3,7 +3,7 @@
 use super::json::{arguments, body_object, flag, table_json};
 use super::{bad_request, change, in_vhost, no_content, not_found, Api, DeleteQuery};
 use crate::broker::{ExchangeDeclare, ExchangeView};
-use crate::server::Shared;
+use crate::node::Shared;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -24,7 +24,7 @@ fn exchange_json(x: &ExchangeView) -> Value {
 }
 
 fn exchange_list(shared: &Shared, vhost: Option<&str>) -> Response {
-    let list = shared.broker.lock().exchange_views(vhost);
+    let list = shared.query(|b| b.exchange_views(vhost));
     Json(Value::Array(list.iter().map(exchange_json).collect())).into_response()
 }
 
@@ -40,7 +40,7 @@ pub(super) async fn exchange(
     State(shared): Api,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Response {
-    let list = shared.broker.lock().exchange_views(Some(&vhost));
+    let list = shared.query(|b| b.exchange_views(Some(&vhost)));
     match list.iter().find(|x| x.name == name) {
         Some(x) => Json(exchange_json(x)).into_response(),
         None => not_found(),

@@ -19,7 +19,7 @@ mod vhosts;
 mod whoami;
 
 use crate::broker::{Broker, Effect};
-use crate::server::Shared;
+use crate::node::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -167,7 +167,7 @@ fn in_vhost(
     vhost: &str,
     list: impl FnOnce(&Shared, Option<&str>) -> Response,
 ) -> Response {
-    if !shared.broker.lock().has_vhost(vhost) {
+    if !shared.query(|b| b.has_vhost(vhost)) {
         return not_found();
     }
     list(shared, Some(vhost))
@@ -216,15 +216,11 @@ async fn change<R>(
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> Result<R, AmqpError>,
 ) -> Result<R, ChangeError> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let (result, ticket) = {
-        let mut b = shared.lock_notify(Some(tx));
-        b.set_clock(crate::clock::now_ms());
-        let mut fx = Vec::new();
-        let result = f(&mut b, &mut fx);
-        shared.apply_effects(&mut fx);
-        let ticket = b.flush();
-        (result, ticket)
-    };
+    let (result, ticket) = shared.execute(
+        crate::node::Caller::Admin { notify: tx },
+        &mut Vec::new(),
+        f,
+    );
     let result = result.map_err(ChangeError::Refused)?;
     if let Some(ticket) = ticket {
         while let Some(done) = rx.recv().await {

@@ -7,14 +7,13 @@ use axum::Json;
 use serde_json::json;
 
 pub(super) async fn overview(State(shared): Api) -> Response {
-    let (queues, exchanges, (connections, channels)) = {
-        let b = shared.broker.lock();
+    let (queues, exchanges, (connections, channels)) = shared.query(|b| {
         (
             b.queue_views(None),
             b.exchange_views(None),
             b.connection_totals(),
         )
-    };
+    });
     let ready: u64 = queues.iter().map(|q| q.messages_ready).sum();
     let unacked: u64 = queues.iter().map(|q| q.messages_unacknowledged).sum();
     let consumers: usize = queues.iter().map(|q| q.consumers).sum();

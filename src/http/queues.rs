@@ -4,7 +4,7 @@
 use super::json::{arguments, body_object, flag, table_json};
 use super::{bad_request, change, in_vhost, no_content, node_name, not_found, Api, DeleteQuery};
 use crate::broker::{QueueDeclare, QueueView};
-use crate::server::Shared;
+use crate::node::Shared;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -32,7 +32,7 @@ fn queue_json(node: &str, q: &QueueView) -> Value {
 
 fn queue_list(shared: &Shared, vhost: Option<&str>) -> Response {
     let node = node_name();
-    let list = shared.broker.lock().queue_views(vhost);
+    let list = shared.query(|b| b.queue_views(vhost));
     Json(Value::Array(
         list.iter().map(|q| queue_json(&node, q)).collect(),
     ))
@@ -51,7 +51,7 @@ pub(super) async fn queue(
     State(shared): Api,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Response {
-    let list = shared.broker.lock().queue_views(Some(&vhost));
+    let list = shared.query(|b| b.queue_views(Some(&vhost)));
     match list.iter().find(|q| q.name == name) {
         Some(q) => Json(queue_json(&node_name(), q)).into_response(),
         None => not_found(),

@@ -11,12 +11,12 @@ fn vhost_json(name: &str) -> Value {
 }
 
 pub(super) async fn vhosts(State(shared): Api) -> Response {
-    let names = shared.broker.lock().vhost_names();
+    let names = shared.query(|b| b.vhost_names());
     Json(Value::Array(names.iter().map(|n| vhost_json(n)).collect())).into_response()
 }
 
 pub(super) async fn vhost(State(shared): Api, Path(name): Path<String>) -> Response {
-    if shared.broker.lock().has_vhost(&name) {
+    if shared.query(|b| b.has_vhost(&name)) {
         Json(vhost_json(&name)).into_response()
     } else {
         not_found()

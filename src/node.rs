@@ -1,0 +1,461 @@
+//! The node: the state every connection, the management API and the timers share, and the one
+//! way into the broker core (`Shared::execute`): the lock, the broker's clock, the journal
+//! flush to the committer, and the effects (deliveries to outboxes), in that order. Below
+//! `conn`, `http` and `server` in the module graph: it names none of them (the outboxes it
+//! writes to are `conn::outbox`, a leaf).
+
+use crate::broker::{Broker, ConnId, Effect};
+use crate::commit::{Committer, Done};
+use crate::config::Config;
+use crate::conn::outbox::Outbox;
+use crate::registry::Registry;
+use amq_protocol::protocol::{basic, AMQPClass};
+use parking_lot::{Mutex, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::watch;
+use tracing::info;
+
+/// State shared by all connections.
+#[derive(Debug)]
+pub struct Shared {
+    pub config: Config,
+    /// The broker core. Lock order: broker → outboxes → one outbox. Never held across an await.
+    pub broker: Mutex<Broker>,
+    /// Where to send frames for each connection (deliveries produced by other connections).
+    pub outboxes: RwLock<rustc_hash::FxHashMap<ConnId, Arc<Outbox>>>,
+    /// Writes durable changes to the store (None: nothing is kept across restarts).
+    pub committer: Option<Committer>,
+    /// The free-disk-space threshold in force (starts at `config.disk_free_limit`; adjustable
+    /// while running).
+    pub disk_free_limit: std::sync::atomic::AtomicU64,
+    /// The disk alarm: true while free space is below the limit. Publishing connections wait
+    /// on it (connection.blocked).
+    pub disk_alarm: watch::Sender<bool>,
+    /// The memory alarm: true while resident memory is above the high watermark. Publishing
+    /// connections wait on it as on the disk alarm.
+    pub memory_alarm: watch::Sender<bool>,
+    /// Woken when a queue that held publishers is back under its window (`Effect::Drained`):
+    /// the connections of those publishers wait on it.
+    pub drained: Arc<tokio::sync::Notify>,
+    /// Every client connection past its protocol header, by name (the management API).
+    pub registry: Registry,
+    /// Open connections allowed at once (RabbitMQ's connection_max): `config.connection_max`,
+    /// or a share of the process's descriptor limit (`default_connection_max`).
+    pub connection_max: usize,
+    /// Client sockets accepted at most: the descriptor limit less what the store may hold
+    /// open and a reserve for the broker's own (see `socket_budget`).
+    pub max_connections: usize,
+}
+
+/// Descriptors kept for the broker itself: listeners, the runtime's epoll and event fds, the
+/// standard streams, files the management API or a restart opens.
+const OWN_FILES: u64 = 32;
+
+/// How many client sockets fit in the process's descriptor limit beside `store_files`. Past
+/// it a new connection is closed at once: a socket flood must not leave the store unable to
+/// open a file (a failed log or table write stops it until it is reopened), which RabbitMQ
+/// prevents the same way (its socket limit under the file handle limit).
+pub fn socket_budget(store_files: u64) -> usize {
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    soft.saturating_sub(store_files + OWN_FILES).max(1) as usize
+}
+
+/// Test hook (`Config::sync_delay`): a store whose synced writes take `delay` longer.
+struct SlowSync {
+    inner: Arc<dyn warren_storage::Store>,
+    delay: std::time::Duration,
+}
+
+impl warren_storage::Store for SlowSync {
+    fn write(
+        &self,
+        ops: &[warren_storage::Op],
+        sync: bool,
+    ) -> Result<(), warren_storage::StoreError> {
+        if sync {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.write(ops, sync)
+    }
+
+    fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
+        self.inner.recover()
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<warren_storage::StoredMessage>, warren_storage::StoreError> {
+        self.inner
+            .read(vhost, queue, from, to, max_count, max_bytes)
+    }
+
+    fn read_keys(
+        &self,
+        vhost: &str,
+        queue: &str,
+        keys: &[u64],
+    ) -> Result<Vec<Option<warren_storage::StoredMessage>>, warren_storage::StoreError> {
+        self.inner.read_keys(vhost, queue, keys)
+    }
+}
+
+/// Who asks the core for a change (`Shared::execute`).
+pub enum Caller<'a> {
+    /// A client connection, told on `notify` when its durable changes are on disk.
+    Conn {
+        notify: &'a tokio::sync::mpsc::UnboundedSender<Done>,
+    },
+    /// A client connection whose replies (pushed to `outbox` by the change) must not reach it
+    /// before the change is on disk, nor before commit `after`.
+    Reply {
+        notify: &'a tokio::sync::mpsc::UnboundedSender<Done>,
+        outbox: &'a Outbox,
+        after: Option<u64>,
+    },
+    /// The management API, told on `notify` like a connection.
+    Admin {
+        notify: tokio::sync::mpsc::UnboundedSender<Done>,
+    },
+    /// A timer of the node (expiry, consumer timeout, read retries, delivery refills).
+    Timer,
+}
+
+/// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
+/// in the order they were made (the lock orders them).
+pub struct BrokerGuard<'a> {
+    shared: &'a Shared,
+    guard: parking_lot::MutexGuard<'a, Broker>,
+    notify: Option<tokio::sync::mpsc::UnboundedSender<Done>>,
+}
+
+impl std::ops::Deref for BrokerGuard<'_> {
+    type Target = Broker;
+    fn deref(&self) -> &Broker {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for BrokerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Broker {
+        &mut self.guard
+    }
+}
+
+impl BrokerGuard<'_> {
+    /// Submit pending durable changes now; returns the commit ticket, if there were any.
+    pub fn flush(&mut self) -> Option<u64> {
+        let committer = self.shared.committer.as_ref()?;
+        let ops = self.guard.take_journal();
+        if ops.is_empty() {
+            return None;
+        }
+        let ticket = self.guard.journal_seq();
+        Some(committer.submit(ticket, ops, self.notify.clone()))
+    }
+}
+
+impl Drop for BrokerGuard<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+impl Shared {
+    /// A broker that keeps nothing across restarts.
+    pub fn new(config: Config) -> Arc<Self> {
+        let mut broker = Broker::new();
+        let mut fx = Vec::new();
+        for op in default_users(&broker, &config) {
+            let _ = broker.apply(&op, &mut fx);
+        }
+        let connection_max = config_connection_max(&config);
+        Arc::new(Shared {
+            connection_max,
+            config,
+            broker: Mutex::new(broker),
+            outboxes: RwLock::new(Default::default()),
+            committer: None,
+            disk_free_limit: std::sync::atomic::AtomicU64::new(0),
+            disk_alarm: watch::channel(false).0,
+            memory_alarm: watch::channel(false).0,
+            drained: Default::default(),
+            registry: Registry::default(),
+            max_connections: socket_budget(0),
+        })
+    }
+
+    /// A broker on its data folder: open the store, rebuild the state from it through the same
+    /// `apply` live traffic uses, then record every durable change.
+    pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context;
+        let path = config.data_dir.join("store");
+        let options = warren_rocks::OpenOptions {
+            recover_damaged: config.recover_damaged,
+        };
+        let store = match warren_rocks::RocksStore::open_with(&path, &options) {
+            Ok(store) => store,
+            Err(e @ warren_storage::StoreError::Corrupt { .. }) if !config.recover_damaged => {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "the store in {} is damaged; Warren does not start on it (nothing was \
+                     changed or discarded). To start with what can still be read, run once \
+                     with --recover-damaged (or WARREN_RECOVER_DAMAGED=1): it copies the store \
+                     to {}/damaged-<unix time>/ first, repairs it, and logs what was lost",
+                    path.display(),
+                    config.data_dir.display()
+                )));
+            }
+            Err(e) => {
+                return Err(anyhow::Error::new(e)
+                    .context(format!("opening the store in {}", path.display())))
+            }
+        };
+        let recovered = warren_storage::Store::recover(&store)
+            .with_context(|| format!("reading the store in {}", path.display()))?;
+        let mut broker = Broker::new();
+        // Replayed declarations of queues with x-expires count their lease from now.
+        broker.set_clock(crate::clock::now_ms());
+        let mut fx = Vec::new();
+        for op in &recovered.ops {
+            broker
+                .apply(op, &mut fx)
+                .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
+        }
+        // The first start of a data folder (no user stored yet) creates the default users, as
+        // RabbitMQ creates default_user only on a fresh database; they are on disk before any
+        // client can log in.
+        // From here on every change is journaled (replayed definitions were not: they are
+        // what the store holds).
+        broker.enable_journal();
+        let defaults = default_users(&broker, &config);
+        if !defaults.is_empty() {
+            // Through the one apply like any change; its journal written before the start
+            // goes on (the committer is not running yet).
+            for op in &defaults {
+                broker
+                    .apply(op, &mut fx)
+                    .map_err(|e| anyhow::anyhow!("creating the default user: {e}"))?;
+            }
+            let journal = broker.take_journal();
+            warren_storage::Store::write(&store, &journal, true)
+                .with_context(|| format!("storing the default user in {}", path.display()))?;
+        }
+        // Messages stay on disk; queues read them back a window at a time.
+        let messages = broker.restore(&recovered.queues);
+        broker.mark_recovered();
+        let definitions = recovered.ops.len();
+        info!(definitions, messages, path = %path.display(), "recovered");
+        let store_files = store.max_open_files() as u64 + warren_rocks::open::STORE_OTHER_FILES;
+        let store: Arc<dyn warren_storage::Store> = match config.sync_delay {
+            Some(delay) => Arc::new(SlowSync {
+                inner: Arc::new(store),
+                delay,
+            }),
+            None => Arc::new(store),
+        };
+        let committer = Committer::start(store.clone());
+        // Journal batches taken so far are written (the default users' above).
+        committer
+            .written
+            .store(broker.journal_seq(), std::sync::atomic::Ordering::Release);
+        broker.set_pager(crate::broker::queue::Pager {
+            store,
+            written: committer.written.clone(),
+            hold_max_ms: config.flow_hold.as_millis() as u64,
+            read_failed: Default::default(),
+            clock: Default::default(),
+        });
+        let limit = config.disk_free_limit;
+        let connection_max = config_connection_max(&config);
+        Ok(Arc::new(Shared {
+            connection_max,
+            config,
+            broker: Mutex::new(broker),
+            outboxes: RwLock::new(Default::default()),
+            committer: Some(committer),
+            disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
+            disk_alarm: watch::channel(false).0,
+            memory_alarm: watch::channel(false).0,
+            drained: Default::default(),
+            registry: Registry::default(),
+            max_connections: socket_budget(store_files),
+        }))
+    }
+
+    /// Lock the broker; durable changes made under this lock go to the store when it drops.
+    pub fn lock(&self) -> BrokerGuard<'_> {
+        self.lock_notify(None)
+    }
+
+    /// Like `lock`, telling `notify` when the changes are durable.
+    pub fn lock_notify(
+        &self,
+        notify: Option<tokio::sync::mpsc::UnboundedSender<Done>>,
+    ) -> BrokerGuard<'_> {
+        BrokerGuard {
+            shared: self,
+            guard: self.broker.lock(),
+            notify,
+        }
+    }
+
+    /// The one way into the broker core for a change: AMQP handlers, the management API and
+    /// the timers all come through here. Under the broker lock, in this order: the broker's
+    /// clock is set, `f` runs, for a `Caller::Reply` the hold on its outbox begins before `f`
+    /// can write a reply and ends with the commit ticket (see `Outbox::hold_begin`), the
+    /// effects go to the outboxes, and the journal goes to the committer. Returns `f`'s result
+    /// and the commit ticket of the durable changes it made (None: none). The place where a
+    /// permission check, a metric or (in a cluster) a proposal hooks in.
+    pub fn execute<R>(
+        &self,
+        caller: Caller<'_>,
+        fx: &mut Vec<Effect>,
+        f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
+    ) -> (R, Option<u64>) {
+        let notify = match &caller {
+            Caller::Conn { notify } | Caller::Reply { notify, .. } => Some((*notify).clone()),
+            Caller::Admin { notify } => Some(notify.clone()),
+            Caller::Timer => None,
+        };
+        let mut broker = self.lock_notify(notify);
+        broker.set_clock(crate::clock::now_ms());
+        let began = match &caller {
+            Caller::Reply { outbox, .. } => Some(outbox.hold_begin()),
+            _ => None,
+        };
+        let r = f(&mut broker, fx);
+        self.apply_effects(fx);
+        let mut ticket = broker.flush();
+        if let (Caller::Reply { outbox, after, .. }, Some(began)) = (&caller, began) {
+            ticket = ticket.max(*after);
+            outbox.hold_end(began, ticket);
+        }
+        (r, ticket)
+    }
+
+    /// A read of the broker's state (the management API's lists): the lock, nothing else.
+    pub fn query<R>(&self, f: impl FnOnce(&Broker) -> R) -> R {
+        f(&self.broker.lock())
+    }
+
+    /// Carry out what the core asked for. Call with the broker lock held, so that frames reach
+    /// each outbox in the order the core decided them.
+    pub fn apply_effects(&self, fx: &mut Vec<Effect>) {
+        if fx.is_empty() {
+            return;
+        }
+        let outboxes = self.outboxes.read();
+        let mut last: Option<(ConnId, &Arc<Outbox>)> = None;
+        for e in fx.drain(..) {
+            let conn = match &e {
+                Effect::Deliver { conn, .. }
+                | Effect::ConsumerCancelled { conn, .. }
+                | Effect::Throttled(conn) => *conn,
+                Effect::Drained => {
+                    self.drained.notify_waiters();
+                    continue;
+                }
+            };
+            let outbox = match last {
+                Some((c, o)) if c == conn => o,
+                _ => match outboxes.get(&conn) {
+                    Some(o) => {
+                        last = Some((conn, o));
+                        o
+                    }
+                    None => continue,
+                },
+            };
+            match e {
+                Effect::Deliver {
+                    channel,
+                    consumer_tag,
+                    delivery_tag,
+                    redelivered,
+                    msg,
+                    ..
+                } => outbox.deliver(channel, &consumer_tag, delivery_tag, redelivered, &msg),
+                Effect::ConsumerCancelled {
+                    channel,
+                    consumer_tag,
+                    ..
+                } => {
+                    if outbox.cancel_notify.load(Ordering::Relaxed) {
+                        outbox.method(
+                            channel,
+                            &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                                consumer_tag: warren_protocol::short(&consumer_tag),
+                                nowait: true,
+                            })),
+                        );
+                    }
+                }
+                Effect::Throttled(_) => {
+                    outbox.throttled.store(true, Ordering::Release);
+                    outbox.wake.notify_one();
+                }
+                Effect::Drained => {}
+            }
+        }
+    }
+}
+
+/// The connection limit in force: the configured one, else half the process's soft limit on
+/// open files (RLIMIT_NOFILE) less a reserve. The other half is for the store (its table
+/// files are capped at a quarter of the limit) and the WAL, the management API and handshakes
+/// in progress, so the process never runs out of descriptors by accepting clients (issue 12:
+/// at the file limit, persistence stopped and new clients hung in the handshake).
+fn config_connection_max(config: &Config) -> usize {
+    if let Some(n) = config.connection_max {
+        return n;
+    }
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+        .current
+        .unwrap_or(u64::MAX);
+    default_connection_max(soft)
+}
+
+/// Half the descriptor limit less 32 (at least 16; "unlimited" counts as a million).
+pub fn default_connection_max(nofile_soft: u64) -> usize {
+    let n = nofile_soft.min(1 << 20) / 2;
+    (n.saturating_sub(32)).max(16) as usize
+}
+
+impl Shared {
+    /// Sockets accepted at once: the connection limit plus room for clients still in their
+    /// handshake (which connection.open then refuses with 530 when the limit is reached).
+    /// Never more than the descriptor budget beside the store (`max_connections`).
+    pub fn socket_max(&self) -> usize {
+        self.connection_max
+            .saturating_add(self.connection_max / 8 + 8)
+            .min(self.max_connections)
+    }
+}
+
+/// The ops that create `config.users` (administrators) when the broker has no user yet.
+fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
+    if broker.has_users() {
+        return Vec::new();
+    }
+    config
+        .users
+        .iter()
+        .map(|(name, pass)| {
+            let salt: [u8; 4] = rand::random();
+            info!(user = %name, "creating the default user");
+            warren_storage::Op::PutUser {
+                name: name.clone(),
+                password_hash: crate::broker::users::hash_password(pass, salt),
+                tags: vec!["administrator".into()],
+            }
+        })
+        .collect()
+}
