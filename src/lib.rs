@@ -17,6 +17,7 @@ pub mod http;
 pub use warren_broker::log_limit;
 pub mod memory;
 pub mod node;
+pub mod outbox;
 pub mod registry;
 pub mod server;
 

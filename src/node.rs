@@ -2,12 +2,12 @@
 //! way into the broker core (`Shared::execute`): the lock, the broker's clock, the journal
 //! flush to the committer, and the effects (deliveries to outboxes), in that order. Below
 //! `conn`, `http` and `server` in the module graph: it names none of them (the outboxes it
-//! writes to are `conn::outbox`, a leaf).
+//! writes to are `outbox`, a leaf).
 
 use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::{Committer, Done};
 use crate::config::Config;
-use crate::conn::outbox::Outbox;
+use crate::outbox::Outbox;
 use crate::registry::Registry;
 use amq_protocol::protocol::{basic, AMQPClass};
 use parking_lot::{Mutex, RwLock};

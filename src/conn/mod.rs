@@ -1,14 +1,13 @@
 //! One task per socket: protocol header, then a read loop feeding the [`Session`]; a second task
 //! owns the write half and drains the connection's [`Outbox`].
 
-pub mod outbox;
 pub mod session;
 
 use crate::broker::DELIVERY_BUDGET;
 use crate::node::Shared;
+use crate::outbox::Outbox;
 use crate::registry::ConnInfo;
 use futures::{FutureExt, StreamExt};
-use outbox::Outbox;
 use session::{Next, Session};
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;

@@ -3,8 +3,8 @@
 
 use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::Done;
-use crate::conn::outbox::Outbox;
 use crate::node::{Caller, Shared};
+use crate::outbox::Outbox;
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::FieldTable;
