@@ -44,6 +44,7 @@
 
 mod maintenance;
 pub mod open;
+pub mod raft_log;
 mod salvage;
 
 use bytes::Bytes;

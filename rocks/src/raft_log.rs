@@ -1,0 +1,285 @@
+//! The replicated log's storage (issue 15): numbered entries of opaque bytes and a few named
+//! metadata values, in a RocksDB folder of their own (`<data-dir>/raft/`), apart from the state
+//! store so that its tuning, damage checks and salvage stay as they are. It knows nothing of
+//! Raft's types: the cluster code encodes entries, votes and membership; this keeps the
+//! durability contract a Raft log store owes its engine:
+//!
+//! - `append` writes without waiting for the disk, and the entries can be read back at once;
+//!   `sync` then returns only once everything appended before it is on disk (the engine is told
+//!   an append is durable only after that).
+//! - `put_meta(.., sync = true)` (the vote) returns only once it is on disk. All writes share
+//!   one write-ahead log, so a synced write also makes every earlier one durable: a vote never
+//!   reaches the disk ahead of the log it was cast on.
+//! - `truncate` (a leader overwrote a conflicting suffix) and `purge` (entries a snapshot
+//!   covers) are range deletes; `purge` records the last purged index in the same write, so the
+//!   log's end is known even when every entry is purged.
+//!
+//! Column families: `log` (index, big-endian, so iteration is in index order) and `meta`.
+
+use rocksdb::{
+    ColumnFamilyDescriptor, DBWithThreadMode, Direction, IteratorMode, MultiThreaded, Options,
+    WriteBatch, WriteOptions,
+};
+use std::path::Path;
+use warren_storage::StoreError;
+
+type Db = DBWithThreadMode<MultiThreaded>;
+
+const LOG: &str = "log";
+const META: &str = "meta";
+/// The meta key holding the last purged index (8 bytes, big-endian).
+const LAST_PURGED: &[u8] = b"last_purged";
+
+/// A Raft log on disk (see the module doc).
+pub struct RaftLogDb {
+    db: Db,
+    path: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for RaftLogDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RaftLogDb")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl RaftLogDb {
+    /// Open (or create) the log in `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        let mut opts = Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        opts.set_paranoid_checks(true);
+        // A torn last append (a crash mid-write) was never reported durable: dropping it is
+        // right. Damage anywhere else refuses the open.
+        opts.set_wal_recovery_mode(rocksdb::DBRecoveryMode::TolerateCorruptedTailRecords);
+        opts.set_max_open_files(256);
+        let cfs = [LOG, META].map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
+        let db = Db::open_cf_descriptors(&opts, path, cfs).map_err(|e| err(path, e))?;
+        Ok(RaftLogDb {
+            db,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn cf(&self, name: &str) -> Result<std::sync::Arc<rocksdb::BoundColumnFamily<'_>>, StoreError> {
+        self.db.cf_handle(name).ok_or_else(|| {
+            StoreError::Io(format!("{}: no column family {name}", self.path.display()))
+        })
+    }
+
+    fn e(&self, e: rocksdb::Error) -> StoreError {
+        err(&self.path, e)
+    }
+
+    /// Write entries (index, bytes), in one batch, without waiting for the disk (see `sync`).
+    pub fn append(&self, entries: &[(u64, &[u8])]) -> Result<(), StoreError> {
+        let log = self.cf(LOG)?;
+        let mut batch = WriteBatch::default();
+        for (index, bytes) in entries {
+            batch.put_cf(&log, index.to_be_bytes(), bytes);
+        }
+        self.db.write(batch).map_err(|e| self.e(e))
+    }
+
+    /// Return once everything written so far is on disk (an fsync of the write-ahead log).
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.db.flush_wal(true).map_err(|e| self.e(e))
+    }
+
+    /// Entries with indexes in `from..to`, in order, stopping after `max_bytes` of them (at
+    /// least one). The read starts at `from` exactly: an index missing there or in between
+    /// (purged, never written) ends it.
+    pub fn read(
+        &self,
+        from: u64,
+        to: u64,
+        max_bytes: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, StoreError> {
+        let log = self.cf(LOG)?;
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        let start = from.to_be_bytes();
+        for item in self
+            .db
+            .iterator_cf(&log, IteratorMode::From(&start, Direction::Forward))
+        {
+            let (k, v) = item.map_err(|e| self.e(e))?;
+            let index = index_of(&k).ok_or_else(|| self.corrupt("a log key is not 8 bytes"))?;
+            if index >= to || (index != from + out.len() as u64) {
+                break;
+            }
+            if !out.is_empty() && bytes + v.len() > max_bytes {
+                break;
+            }
+            bytes += v.len();
+            out.push((index, v.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// The last entry's index and bytes, if the log holds any.
+    pub fn last(&self) -> Result<Option<(u64, Vec<u8>)>, StoreError> {
+        let log = self.cf(LOG)?;
+        match self.db.iterator_cf(&log, IteratorMode::End).next() {
+            Some(item) => {
+                let (k, v) = item.map_err(|e| self.e(e))?;
+                let index = index_of(&k).ok_or_else(|| self.corrupt("a log key is not 8 bytes"))?;
+                Ok(Some((index, v.to_vec())))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Delete the entries from `from` on (a conflicting suffix).
+    pub fn truncate(&self, from: u64) -> Result<(), StoreError> {
+        let log = self.cf(LOG)?;
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(&log, from.to_be_bytes(), u64::MAX.to_be_bytes());
+        // delete_range's end is exclusive: the entry at u64::MAX (never used) would stay.
+        batch.delete_cf(&log, u64::MAX.to_be_bytes());
+        self.db.write(batch).map_err(|e| self.e(e))
+    }
+
+    /// Delete the entries up to `upto` (inclusive; a snapshot covers them) and record `upto` as
+    /// the last purged index, in one write.
+    pub fn purge(&self, upto: u64) -> Result<(), StoreError> {
+        let log = self.cf(LOG)?;
+        let meta = self.cf(META)?;
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(
+            &log,
+            0u64.to_be_bytes(),
+            upto.saturating_add(1).to_be_bytes(),
+        );
+        batch.put_cf(&meta, LAST_PURGED, upto.to_be_bytes());
+        self.db.write(batch).map_err(|e| self.e(e))
+    }
+
+    /// The last purged index (`purge`), if any.
+    pub fn last_purged(&self) -> Result<Option<u64>, StoreError> {
+        match self.get_meta(LAST_PURGED)? {
+            Some(v) => index_of(&v)
+                .map(Some)
+                .ok_or_else(|| self.corrupt("the last purged index is not 8 bytes")),
+            None => Ok(None),
+        }
+    }
+
+    /// Store a named value (the vote, the committed index, the node's identity); with `sync`,
+    /// return only once it (and everything written before it) is on disk.
+    pub fn put_meta(&self, key: &[u8], value: &[u8], sync: bool) -> Result<(), StoreError> {
+        let meta = self.cf(META)?;
+        let mut opts = WriteOptions::default();
+        opts.set_sync(sync);
+        let mut batch = WriteBatch::default();
+        batch.put_cf(&meta, key, value);
+        self.db.write_opt(batch, &opts).map_err(|e| self.e(e))
+    }
+
+    /// A named value stored with `put_meta`.
+    pub fn get_meta(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        let meta = self.cf(META)?;
+        self.db.get_cf(&meta, key).map_err(|e| self.e(e))
+    }
+
+    fn corrupt(&self, detail: &str) -> StoreError {
+        StoreError::Corrupt {
+            path: self.path.clone(),
+            detail: detail.to_string(),
+        }
+    }
+}
+
+fn index_of(k: &[u8]) -> Option<u64> {
+    <[u8; 8]>::try_from(k).ok().map(u64::from_be_bytes)
+}
+
+fn err(path: &Path, e: rocksdb::Error) -> StoreError {
+    StoreError::Io(format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn entries(range: std::ops::Range<u64>) -> Vec<(u64, Vec<u8>)> {
+        range
+            .map(|i| (i, format!("entry {i}").into_bytes()))
+            .collect()
+    }
+
+    fn append(db: &RaftLogDb, e: &[(u64, Vec<u8>)]) {
+        let refs: Vec<(u64, &[u8])> = e.iter().map(|(i, b)| (*i, b.as_slice())).collect();
+        db.append(&refs).unwrap();
+    }
+
+    #[test]
+    fn appended_entries_read_back_in_order_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let db = RaftLogDb::open(dir.path()).unwrap();
+            assert_eq!(db.last().unwrap(), None);
+            append(&db, &entries(1..101));
+            // Readable before the sync, as a Raft engine expects.
+            assert_eq!(db.read(1, 101, usize::MAX).unwrap(), entries(1..101));
+            db.sync().unwrap();
+            db.put_meta(b"vote", b"term 3 for node 2", true).unwrap();
+        }
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        assert_eq!(db.read(1, 101, usize::MAX).unwrap(), entries(1..101));
+        assert_eq!(db.read(50, 53, usize::MAX).unwrap(), entries(50..53));
+        assert_eq!(db.last().unwrap(), Some((100, b"entry 100".to_vec())));
+        assert_eq!(
+            db.get_meta(b"vote").unwrap(),
+            Some(b"term 3 for node 2".to_vec())
+        );
+        assert_eq!(db.get_meta(b"other").unwrap(), None);
+        // A byte budget stops the read (at least one entry).
+        assert_eq!(db.read(1, 101, 1).unwrap(), entries(1..2));
+        assert_eq!(db.read(1, 101, 20).unwrap(), entries(1..3));
+    }
+
+    #[test]
+    fn truncate_and_purge_leave_what_they_should() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        append(&db, &entries(1..21));
+        db.truncate(15).unwrap();
+        assert_eq!(db.last().unwrap().map(|(i, _)| i), Some(14));
+        // A new leader's suffix replaces the truncated one.
+        append(&db, &[(15, b"new 15".to_vec())]);
+        assert_eq!(
+            db.read(14, 16, usize::MAX).unwrap()[1],
+            (15, b"new 15".to_vec())
+        );
+        db.purge(10).unwrap();
+        assert_eq!(db.last_purged().unwrap(), Some(10));
+        assert_eq!(
+            db.read(0, 100, usize::MAX).unwrap(),
+            Vec::new(),
+            "nothing left at 0"
+        );
+        assert_eq!(db.read(11, 100, usize::MAX).unwrap().len(), 5);
+        // Everything purged: the end of the log is still known.
+        db.purge(15).unwrap();
+        assert_eq!(db.last().unwrap(), None);
+        assert_eq!(db.last_purged().unwrap(), Some(15));
+        drop(db);
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        assert_eq!(db.last_purged().unwrap(), Some(15));
+        assert_eq!(db.last().unwrap(), None);
+    }
+
+    #[test]
+    fn a_gap_ends_a_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        append(&db, &entries(1..4));
+        append(&db, &entries(5..8));
+        assert_eq!(db.read(1, 8, usize::MAX).unwrap(), entries(1..4));
+        assert_eq!(db.read(5, 8, usize::MAX).unwrap(), entries(5..8));
+    }
+}
