@@ -80,3 +80,42 @@ impl Default for Config {
         }
     }
 }
+
+/// A list of user names from the command line (`--loopback-users`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserList(pub Vec<String>);
+
+/// Parse a comma-separated list of user names; "none" or nothing is the empty list (RabbitMQ's
+/// `loopback_users = none`). Names are trimmed; an empty name in the list is refused.
+pub fn parse_user_list(s: &str) -> Result<UserList, String> {
+    let s = s.trim();
+    if s.is_empty() || s.eq_ignore_ascii_case("none") {
+        return Ok(UserList(Vec::new()));
+    }
+    s.split(',')
+        .map(|n| {
+            let n = n.trim();
+            if n.is_empty() {
+                Err(format!("an empty user name in '{s}'"))
+            } else {
+                Ok(n.to_string())
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(UserList)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_user_list, UserList};
+
+    #[test]
+    fn user_lists_parse_as_rabbitmq_names_them() {
+        let list = |v: &[&str]| Ok(UserList(v.iter().map(|s| s.to_string()).collect()));
+        assert_eq!(parse_user_list("guest"), list(&["guest"]));
+        assert_eq!(parse_user_list(" guest, ops "), list(&["guest", "ops"]));
+        assert_eq!(parse_user_list("none"), list(&[]));
+        assert_eq!(parse_user_list(""), list(&[]));
+        assert!(parse_user_list("guest,,ops").is_err());
+    }
+}

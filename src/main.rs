@@ -80,6 +80,15 @@ struct ServerArgs {
         hide_env_values = true
     )]
     default_pass: Option<String>,
+    /// Users who may log in only from a loopback address (RabbitMQ's loopback_users), comma
+    /// separated; "none" (or an empty value) lifts the rule for everyone.
+    #[arg(
+        long,
+        env = "WARREN_LOOPBACK_USERS",
+        default_value = "guest",
+        value_parser = warren::config::parse_user_list
+    )]
+    loopback_users: warren::config::UserList,
     /// Start even if the store is damaged: copy it to <data-dir>/damaged-<unix time>/ first,
     /// keep what can be read, and log what was lost. Without it a damaged store stops the
     /// start with an error naming the damage.
@@ -138,6 +147,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
             _ => warren::Config::default().users,
         },
         recover_damaged: args.recover_damaged,
+        loopback_users: args.loopback_users.0,
         ..Default::default()
     };
     let listener = warren::server::bind_dual(config.amqp_listen)

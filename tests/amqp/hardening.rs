@@ -622,3 +622,24 @@ async fn unfinished_bodies_on_a_connection_are_bounded() {
     // The bystander carries on.
     publish_confirmed(&bch, "", &q, b"still here").await;
 }
+
+/// Issue 14 point 1: `--loopback-users` (env `WARREN_LOOPBACK_USERS`) sets RabbitMQ's
+/// loopback_users; "none" lifts the rule (the rule itself, per address, is `auth`'s unit test:
+/// tests only listen on loopback). A list with an empty name is refused at start.
+#[tokio::test]
+async fn loopback_users_come_from_the_command_line() {
+    let data = tempfile::tempdir().unwrap();
+    let b = spawn_binary(data.path(), &["--loopback-users", "none"]).await;
+    let addr: std::net::SocketAddr = b
+        .url
+        .trim_start_matches("amqp://guest:guest@")
+        .trim_end_matches("/%2f")
+        .parse()
+        .unwrap();
+    assert_eq!(can_log_in(addr, "guest", "guest").await, None);
+    drop(b);
+    let (status, stderr) =
+        crate::common::run_binary_to_exit(data.path(), &["--loopback-users", "guest,,ops"]);
+    assert!(!status.success());
+    assert!(stderr.contains("empty user name"), "{stderr}");
+}
