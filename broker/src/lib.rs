@@ -9,11 +9,11 @@
 //! typed [`Op`]: the live command path validates, builds the op and applies it, and crash
 //! recovery (and, later, cluster followers) replay ops through the same function.
 
+mod apply;
 pub mod args;
 pub mod deadletter;
 pub mod exchange;
 pub mod headers;
-mod log;
 pub mod log_limit;
 pub mod queue;
 pub mod topic;
@@ -220,8 +220,9 @@ pub struct ExchangeDeclare {
 pub struct Broker {
     replicated: Replicated,
     local: Local,
-    /// The store writes and replicated ops of the changes made (see `log.rs`).
-    log: log::Log,
+    /// The store writes and replicated ops of the changes made (see `apply/log.rs`): only
+    /// `apply.rs` writes them.
+    log: apply::Log,
 }
 
 /// Replicated state: equal on every broker after the same ops (`view::ReplicatedView`).
@@ -470,41 +471,6 @@ impl Broker {
         }
     }
 
-    /// Start recording durable changes (after recovery, when a store is attached).
-    pub fn enable_journal(&mut self) {
-        self.log.enabled = true;
-    }
-
-    /// The durable changes made since the last call, in the order they were made. Each
-    /// non-empty batch gets the next number ([`Broker::journal_seq`]); the committer reports
-    /// the batches it has written by that number (`Pager::written`).
-    pub fn take_journal(&mut self) -> Journal {
-        if !self.log.enabled || self.log.writes.is_empty() {
-            return Journal::new();
-        }
-        self.log.seq += 1;
-        std::mem::take(&mut self.log.writes)
-    }
-
-    /// The number of the last batch `take_journal` returned.
-    pub fn journal_seq(&self) -> u64 {
-        self.log.seq
-    }
-
-    /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
-    pub fn record_ops(&mut self) {
-        self.log.ops.get_or_insert_with(Vec::new);
-    }
-
-    /// The replicated ops recorded since the last call, in order (empty when not recording).
-    pub fn take_ops(&mut self) -> Vec<Op> {
-        self.log
-            .ops
-            .as_mut()
-            .map(std::mem::take)
-            .unwrap_or_default()
-    }
-
     /// Let deep queues keep their backlog on disk (see `queue::WINDOW_MESSAGES`).
     pub fn set_pager(&mut self, pager: queue::Pager) {
         let pager = Arc::new(pager);
@@ -550,7 +516,7 @@ impl Broker {
     /// out past the window), journaling a spill for each message it paged out that the store
     /// does not hold yet; a queue that dropped messages is marked dirty.
     fn after_requeue(&mut self, qid: QueueId, now: u64) {
-        let (stored_batch, spill_batch) = (self.log.seq, self.log.seq + 1);
+        let (stored_batch, spill_batch) = (self.log.seq(), self.log.seq() + 1);
         let mut spills = Vec::new();
         let Some(q) = self.replicated.queues.get_mut(&qid) else {
             return;
@@ -563,16 +529,19 @@ impl Broker {
             self.local.staging.insert(qid);
         }
         for (key, msg) in spills {
-            self.log.write(Op::Spill {
-                vhost: q.vhost.clone(),
-                queue: q.name.clone(),
-                key,
-                timestamp_ms: now,
-                exchange: msg.exchange.clone(),
-                routing_key: msg.routing_key.clone(),
-                properties: msg.raw_properties.clone(),
-                body: msg.body.clone(),
-            });
+            apply::write_local(
+                &mut self.log,
+                Op::Spill {
+                    vhost: q.vhost.clone(),
+                    queue: q.name.clone(),
+                    key,
+                    timestamp_ms: now,
+                    exchange: msg.exchange.clone(),
+                    routing_key: msg.routing_key.clone(),
+                    properties: msg.raw_properties.clone(),
+                    body: msg.body.clone(),
+                },
+            );
         }
     }
 
@@ -825,7 +794,7 @@ impl Broker {
                 };
                 let dropped = std::mem::take(&mut q.dropped);
                 for (m, _) in dropped.iter().filter(|(m, _)| m.stored) {
-                    self.log.removed(q, m);
+                    apply::removed(&mut self.log, q, m);
                 }
                 for (m, reason) in dropped {
                     self.dead_letter(qid, &m, reason, fx);
@@ -1036,252 +1005,6 @@ impl Broker {
             .get_mut(&conn)
             .and_then(|c| c.channels.get_mut(&ch))
             .ok_or_else(|| AmqpError::channel_error(format!("channel {ch} is not open")))
-    }
-
-    // ---------------------------------------------------------------- the apply path
-
-    /// Apply one state change: the one way durable state changes. Live commands (AMQP, the
-    /// HTTP API, timers) call this after validating and deciding; recovery calls it for each
-    /// stored definition in order; a replica would call it for each replicated op. The op is
-    /// recorded as a replicated root (when it changes durable state, `is_durable`), and what
-    /// it makes the store do goes to the journal. Cascades (an auto-delete exchange left
-    /// without bindings, a deleted queue's bindings) are derived here, on every broker that
-    /// applies the op, and never recorded as ops of their own. Deterministic: same ops, same
-    /// state.
-    pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
-        // Purge records its own roots (`exec`); paging writes are never replicated.
-        if !matches!(op, Op::Purge { .. } | Op::Spill { .. }) && self.is_durable(op) {
-            self.log.root(op);
-        }
-        self.exec(op, fx)
-    }
-
-    /// The change `op` makes, and its store writes, without recording it as a root: `apply`
-    /// for a root, and directly for what a root cascades into.
-    fn exec(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
-        if self.log.enabled
-            && matches!(
-                op,
-                Op::DeclareExchange { .. }
-                    | Op::DeleteExchange { .. }
-                    | Op::DeclareQueue { .. }
-                    | Op::Bind { .. }
-                    | Op::Unbind { .. }
-                    | Op::PutUser { .. }
-            )
-            && self.is_durable(op)
-        {
-            self.log.write(op.clone());
-        }
-        match op {
-            Op::DeclareExchange {
-                vhost,
-                name,
-                kind,
-                durable,
-                auto_delete,
-                internal,
-                arguments,
-            } => {
-                let kind = ExchangeKind::parse(kind).ok_or_else(|| {
-                    AmqpError::command_invalid(format!("unknown exchange type '{kind}'"))
-                })?;
-                let arguments = decode_table(arguments)?;
-                let v = self.vhost_mut(vhost)?;
-                v.exchanges.entry(name.clone()).or_insert_with(|| {
-                    Exchange::new(
-                        name.clone(),
-                        kind,
-                        *durable,
-                        *auto_delete,
-                        *internal,
-                        arguments,
-                    )
-                });
-            }
-            Op::DeleteExchange { vhost, name } => {
-                let v = self.vhost_mut(vhost)?;
-                v.exchanges.remove(name);
-                // Bindings that pointed at it go too; an auto-delete exchange left without
-                // bindings goes with them, and so on up the chain (as RabbitMQ).
-                let dest = Dest::Exchange(name.clone());
-                let mut emptied: Vec<String> = Vec::new();
-                for x in v.exchanges.values_mut() {
-                    if x.unbind_dest(&dest) > 0 && x.auto_delete && x.bindings.is_empty() {
-                        emptied.push(x.name.clone());
-                    }
-                }
-                // In name order, whatever the map's: the same on every broker.
-                emptied.sort_unstable();
-                for name in emptied {
-                    self.exec(
-                        &Op::DeleteExchange {
-                            vhost: vhost.clone(),
-                            name,
-                        },
-                        fx,
-                    )?;
-                }
-            }
-            Op::DeclareQueue {
-                vhost,
-                name,
-                durable,
-                exclusive,
-                auto_delete,
-                arguments,
-            } => {
-                let arguments = decode_table(arguments)?;
-                let id = self.replicated.next_queue_id;
-                let v = self.vhost_mut(vhost)?;
-                if !v.queues.contains_key(name) {
-                    v.queues.insert(name.clone(), id);
-                    self.replicated.next_queue_id += 1;
-                    let mut q = Queue::new(
-                        name.clone(),
-                        vhost.clone(),
-                        *durable,
-                        *exclusive,
-                        *auto_delete,
-                        arguments,
-                    );
-                    q.pager = self.local.pager.clone();
-                    // x-expires counts from the declaration, or from the restart that replays
-                    // it (recovery used to leave durable queues with x-expires for ever).
-                    q.last_used = self.local.now_ms;
-                    if q.expires.is_some() {
-                        self.local.expirable.insert(id);
-                    }
-                    self.replicated.queues.insert(id, q);
-                }
-            }
-            Op::DeleteQueue { vhost, name } => {
-                if let Some(id) = self.vhost(vhost)?.queues.get(name).copied() {
-                    // The store drops what it holds for the queue (also a non-durable queue's
-                    // spills, which no replica has).
-                    if self
-                        .replicated
-                        .queues
-                        .get(&id)
-                        .is_some_and(|q| q.has_storage())
-                    {
-                        self.log.write(op.clone());
-                    }
-                    self.delete_queue_by_id(id, fx);
-                }
-            }
-            Op::Bind {
-                vhost,
-                source,
-                destination,
-                routing_key,
-                arguments,
-            } => {
-                let dest = self.resolve_dest(vhost, destination)?;
-                let arguments = decode_table(arguments)?;
-                let v = self.vhost_mut(vhost)?;
-                if let Some(x) = v.exchanges.get_mut(source) {
-                    x.bind(dest, routing_key.clone(), arguments);
-                }
-            }
-            Op::Unbind {
-                vhost,
-                source,
-                destination,
-                routing_key,
-                arguments,
-            } => {
-                let dest = self.resolve_dest(vhost, destination)?;
-                let arguments = decode_table(arguments)?;
-                let v = self.vhost_mut(vhost)?;
-                let mut auto_delete = false;
-                if let Some(x) = v.exchanges.get_mut(source) {
-                    if x.unbind(&dest, routing_key, &arguments) {
-                        auto_delete = x.auto_delete && x.bindings.is_empty();
-                    }
-                }
-                if auto_delete {
-                    self.exec(
-                        &Op::DeleteExchange {
-                            vhost: vhost.clone(),
-                            name: source.clone(),
-                        },
-                        fx,
-                    )?;
-                }
-            }
-            Op::Enqueue {
-                vhost,
-                queues,
-                id,
-                timestamp_ms,
-                exchange,
-                routing_key,
-                properties,
-                body,
-            } => {
-                let msg = Arc::new(stored_message(
-                    exchange,
-                    routing_key,
-                    properties.clone(),
-                    body.clone(),
-                )?);
-                let v = self.vhost(vhost)?;
-                let ids: Vec<QueueId> = queues
-                    .iter()
-                    .filter_map(|(n, _)| v.queues.get(&**n).copied())
-                    .collect();
-                self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
-                self.log.write(op.clone());
-                // Only the change: what a leader decides after it (deliveries, a TTL-0 drop,
-                // drop-head trimming, dead-lettering) comes as ops of its own.
-                self.enqueue(&ids, *id, *timestamp_ms, msg, false, fx);
-            }
-            Op::Remove { vhost, queue, keys } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                        // On the broker that decided it the messages had left the ready list
-                        // already (delivered, dropped); elsewhere they leave it here.
-                        q.remove_keys(keys);
-                    }
-                }
-                self.log.write(op.clone());
-            }
-            Op::RemoveRange {
-                vhost,
-                queue,
-                from,
-                to,
-            } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                        q.remove_key_range(*from, *to);
-                    }
-                }
-                self.log.write(op.clone());
-            }
-            Op::Purge { vhost, queue } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    self.purge_queue(qid);
-                }
-            }
-            // Local paging: a store write, nothing more.
-            Op::Spill { .. } => self.log.write(op.clone()),
-            Op::PutUser {
-                name,
-                password_hash,
-                tags,
-            } => {
-                self.replicated.users.insert(
-                    name.clone(),
-                    users::User {
-                        password_hash: password_hash.clone(),
-                        tags: tags.clone(),
-                    },
-                );
-            }
-        }
-        Ok(())
     }
 
     fn resolve_dest(&self, vhost: &str, d: &BindingDest) -> Result<Dest, AmqpError> {
@@ -1711,48 +1434,6 @@ impl Broker {
         Ok(count as u32)
     }
 
-    /// Drop every ready message of a queue (`Op::Purge`). Delivered messages waiting for an
-    /// ack stay (in the store too): with none, the queue's whole keyspace goes (`Purge`);
-    /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
-    /// which is also what is replicated, since elsewhere those deliveries are ready messages.
-    fn purge_queue(&mut self, id: QueueId) {
-        let Some(q) = self.replicated.queues.get_mut(&id) else {
-            return;
-        };
-        let (_, keys, ranges) = q.purge();
-        if !q.has_storage() {
-            return;
-        }
-        let replicated = q.is_stored();
-        let (vhost, queue) = (q.vhost.clone(), q.name.clone());
-        let mut ops: Vec<Op> = Vec::new();
-        if q.unacked == 0 {
-            ops.push(Op::Purge { vhost, queue });
-        } else {
-            if !keys.is_empty() {
-                ops.push(Op::Remove {
-                    vhost: vhost.clone(),
-                    queue: queue.clone(),
-                    keys,
-                });
-            }
-            for (from, to) in ranges {
-                ops.push(Op::RemoveRange {
-                    vhost: vhost.clone(),
-                    queue: queue.clone(),
-                    from,
-                    to,
-                });
-            }
-        }
-        for op in ops {
-            if replicated {
-                self.log.root(&op);
-            }
-            self.log.write(op);
-        }
-    }
-
     #[allow(clippy::too_many_arguments)]
     pub fn queue_delete(
         &mut self,
@@ -1791,66 +1472,6 @@ impl Broker {
             fx,
         )?;
         Ok(count)
-    }
-
-    /// A queue this broker decided to delete (x-expires, auto-delete, its exclusive owner
-    /// gone), through `apply` like a client's queue.delete.
-    fn delete_queue(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        let Some(q) = self.replicated.queues.get(&id) else {
-            return;
-        };
-        let op = Op::DeleteQueue {
-            vhost: q.vhost.to_string(),
-            name: q.name.to_string(),
-        };
-        let _ = self.apply(&op, fx);
-    }
-
-    /// Remove a queue: its bindings, its consumers (who are told), its messages. Only `exec`
-    /// of a `DeleteQueue` calls this.
-    fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
-        self.local.expiring.remove(&id);
-        let Some(q) = self.replicated.queues.remove(&id) else {
-            return;
-        };
-        let mut emptied: Vec<String> = Vec::new();
-        if let Some(v) = self.replicated.vhosts.get_mut(&*q.vhost) {
-            v.queues.remove(&*q.name);
-            for x in v.exchanges.values_mut() {
-                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
-                    emptied.push(x.name.clone());
-                }
-            }
-        }
-        self.local.expirable.remove(&id);
-        for key in q.consumers.into_iter().map(|c| c.key) {
-            if let Some(ch) = self
-                .local
-                .conns
-                .get_mut(&key.conn)
-                .and_then(|c| c.channels.get_mut(&key.channel))
-            {
-                if let Some(pos) = ch.consumers.iter().position(|c| *c.tag == *key.tag) {
-                    let c = ch.consumers.remove(pos);
-                    fx.push(Effect::ConsumerCancelled {
-                        conn: key.conn,
-                        channel: key.channel,
-                        consumer_tag: c.tag,
-                    });
-                }
-            }
-        }
-        // A cascade: derived wherever the deletion is applied, in name order.
-        emptied.sort_unstable();
-        for name in emptied {
-            let _ = self.exec(
-                &Op::DeleteExchange {
-                    vhost: q.vhost.to_string(),
-                    name,
-                },
-                fx,
-            );
-        }
     }
 
     // ---------------------------------------------------------------- publish
@@ -1954,7 +1575,7 @@ impl Broker {
             accepted.push(*t);
         }
         let targets = &accepted[..];
-        if (self.log.enabled || self.log.ops.is_some()) && msg.persistent() {
+        if (self.log.enabled() || self.log.recording()) && msg.persistent() {
             // Names shared with the queues: no copy per message.
             let mut stored_vhost = None;
             let stored: warren_storage::QueueLevels = targets
@@ -1968,16 +1589,19 @@ impl Broker {
                 .collect();
             if let Some(vhost) = stored_vhost {
                 // The replicated change (`exec` of an `Enqueue` makes the same one).
-                self.log.root_and_write(Op::Enqueue {
-                    vhost,
-                    queues: stored,
-                    id,
-                    timestamp_ms: self.local.now_ms,
-                    exchange: msg.exchange.clone(),
-                    routing_key: msg.routing_key.clone(),
-                    properties: msg.raw_properties.clone(),
-                    body: msg.body.clone(),
-                });
+                apply::record_enqueue(
+                    &mut self.log,
+                    Op::Enqueue {
+                        vhost,
+                        queues: stored,
+                        id,
+                        timestamp_ms: self.local.now_ms,
+                        exchange: msg.exchange.clone(),
+                        routing_key: msg.routing_key.clone(),
+                        properties: msg.raw_properties.clone(),
+                        body: msg.body.clone(),
+                    },
+                );
             }
         }
         let (staged, held) = self.enqueue(targets, id, self.local.now_ms, msg, true, fx);
@@ -2113,7 +1737,7 @@ impl Broker {
                 (a, b) => a.or(b),
             };
             let expires_at = ttl.map(|t| at.saturating_add(t));
-            let stored = self.log.enabled && q.is_stored() && msg.persistent();
+            let stored = self.log.enabled() && q.is_stored() && msg.persistent();
             let qm = QueuedMessage {
                 id,
                 msg: msg.clone(),
@@ -2122,7 +1746,7 @@ impl Broker {
                 returns: 0,
                 stored,
             };
-            let pushed = q.push(qm, self.log.seq + 1, at);
+            let pushed = q.push(qm, self.log.seq() + 1, at);
             let staged = pushed == Pushed::Staged;
             if pushed == Pushed::Held {
                 held.push(*qid);
@@ -2134,16 +1758,19 @@ impl Broker {
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.
                 q.spilled = true;
-                self.log.write(Op::Spill {
-                    vhost: q.vhost.clone(),
-                    queue: q.name.clone(),
-                    key: warren_storage::message_key(q.level(&msg) as u8, id),
-                    timestamp_ms: at,
-                    exchange: msg.exchange.clone(),
-                    routing_key: msg.routing_key.clone(),
-                    properties: msg.raw_properties.clone(),
-                    body: msg.body.clone(),
-                });
+                apply::write_local(
+                    &mut self.log,
+                    Op::Spill {
+                        vhost: q.vhost.clone(),
+                        queue: q.name.clone(),
+                        key: warren_storage::message_key(q.level(&msg) as u8, id),
+                        timestamp_ms: at,
+                        exchange: msg.exchange.clone(),
+                        routing_key: msg.routing_key.clone(),
+                        properties: msg.raw_properties.clone(),
+                        body: msg.body.clone(),
+                    },
+                );
             }
             if expires_at.is_some() {
                 self.local.expiring.insert(*qid);
@@ -2515,7 +2142,7 @@ impl Broker {
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
                 if qm.stored {
-                    log.removed(q, &qm);
+                    apply::removed(log, q, &qm);
                 }
             } else {
                 c.unacked += 1;
@@ -2586,7 +2213,7 @@ impl Broker {
         };
         if no_ack {
             if qm.stored {
-                log.removed(q, &qm);
+                apply::removed(log, q, &qm);
             }
         } else {
             q.unacked += 1;
@@ -2739,7 +2366,7 @@ impl Broker {
                 continue;
             }
             if let Some(q) = self.replicated.queues.get(&u.queue) {
-                self.log.removed(q, &u.qm);
+                apply::removed(&mut self.log, q, &u.qm);
             }
         }
     }

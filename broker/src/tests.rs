@@ -834,8 +834,19 @@ fn the_core_names_no_io_thread_or_clock() {
     ];
     let mut found = Vec::new();
     let mut files = 0;
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
+    let mut dirs = vec![dir.clone()];
+    let mut paths = Vec::new();
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else {
+                paths.push(path);
+            }
+        }
+    }
+    for path in paths {
         if path.extension().is_none_or(|e| e != "rs") || path.ends_with("tests.rs") {
             continue;
         }

@@ -7,12 +7,12 @@
 //!   alone, roots only. Applying them in order to another broker gives the same durable
 //!   state; a cascade is derived there again, never shipped, and no spill is ever in it.
 
-use super::queue::{Queue, QueuedMessage};
-use super::Journal;
+use crate::queue::{Queue, QueuedMessage};
+use crate::Journal;
 use warren_storage::Op;
 
 #[derive(Debug, Default)]
-pub struct Log {
+pub(crate) struct Log {
     /// Record store writes (off while recovering, and with no store).
     pub(super) enabled: bool,
     /// Store writes not yet handed to the committer (`Broker::take_journal`).
@@ -24,6 +24,21 @@ pub struct Log {
 }
 
 impl Log {
+    /// Whether store writes are recorded (a store is attached and recovery is over).
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Journal batches taken so far.
+    pub(crate) fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Whether replicated ops are recorded (`Broker::record_ops`).
+    pub(crate) fn recording(&self) -> bool {
+        self.ops.is_some()
+    }
+
     /// A store write (`op` itself, a cascade's effect, or local paging).
     pub(super) fn write(&mut self, op: Op) {
         if self.enabled {

@@ -1,0 +1,414 @@
+//! The apply path: the one way replicated state changes, and the only writer of the journal.
+//! `Log` (`apply/log.rs`) can be written from this module alone (the compiler keeps it so):
+//! `apply`/`exec` for every op, and the few named entry points the delivery paths use for
+//! what they record beside a local step (`removed`, `record_enqueue`, `write_local`).
+
+mod log;
+
+pub(crate) use log::Log;
+
+use super::*;
+
+/// A message the store holds left queue `q` (acknowledged, delivered or got without an ack,
+/// dropped): the replicated `Remove` and its store write. The message already left the ready
+/// list on this broker (delivery is local); a replica applies the same `Remove` through `exec`.
+pub(crate) fn removed(log: &mut Log, q: &Queue, qm: &QueuedMessage) {
+    log.removed(q, qm);
+}
+
+/// A published message the store keeps (`Op::Enqueue` listing the stored queues it reached):
+/// recorded as a replicated root and written. `exec` of the same op is what a replica does.
+pub(crate) fn record_enqueue(log: &mut Log, op: Op) {
+    log.root_and_write(op);
+}
+
+/// A local paging write (`Op::Spill`): to the store, never to the replicated ops.
+pub(crate) fn write_local(log: &mut Log, op: Op) {
+    debug_assert!(matches!(op, Op::Spill { .. }));
+    log.write(op);
+}
+
+impl Broker {
+    /// Start recording durable changes (after recovery, when a store is attached).
+    pub fn enable_journal(&mut self) {
+        self.log.enabled = true;
+    }
+
+    /// The durable changes made since the last call, in the order they were made. Each
+    /// non-empty batch gets the next number ([`Broker::journal_seq`]); the committer reports
+    /// the batches it has written by that number (`Pager::written`).
+    pub fn take_journal(&mut self) -> Journal {
+        if !self.log.enabled || self.log.writes.is_empty() {
+            return Journal::new();
+        }
+        self.log.seq += 1;
+        std::mem::take(&mut self.log.writes)
+    }
+
+    /// The number of the last batch `take_journal` returned.
+    pub fn journal_seq(&self) -> u64 {
+        self.log.seq
+    }
+
+    /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
+    pub fn record_ops(&mut self) {
+        self.log.ops.get_or_insert_with(Vec::new);
+    }
+
+    /// The replicated ops recorded since the last call, in order (empty when not recording).
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        self.log
+            .ops
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
+    }
+
+    // ---------------------------------------------------------------- the apply path
+
+    /// Apply one state change: the one way durable state changes. Live commands (AMQP, the
+    /// HTTP API, timers) call this after validating and deciding; recovery calls it for each
+    /// stored definition in order; a replica would call it for each replicated op. The op is
+    /// recorded as a replicated root (when it changes durable state, `is_durable`), and what
+    /// it makes the store do goes to the journal. Cascades (an auto-delete exchange left
+    /// without bindings, a deleted queue's bindings) are derived here, on every broker that
+    /// applies the op, and never recorded as ops of their own. Deterministic: same ops, same
+    /// state.
+    pub fn apply(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        // Purge records its own roots (`exec`); paging writes are never replicated.
+        if !matches!(op, Op::Purge { .. } | Op::Spill { .. }) && self.is_durable(op) {
+            self.log.root(op);
+        }
+        self.exec(op, fx)
+    }
+
+    /// The change `op` makes, and its store writes, without recording it as a root: `apply`
+    /// for a root, and directly for what a root cascades into.
+    fn exec(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        if self.log.enabled
+            && matches!(
+                op,
+                Op::DeclareExchange { .. }
+                    | Op::DeleteExchange { .. }
+                    | Op::DeclareQueue { .. }
+                    | Op::Bind { .. }
+                    | Op::Unbind { .. }
+                    | Op::PutUser { .. }
+            )
+            && self.is_durable(op)
+        {
+            self.log.write(op.clone());
+        }
+        match op {
+            Op::DeclareExchange {
+                vhost,
+                name,
+                kind,
+                durable,
+                auto_delete,
+                internal,
+                arguments,
+            } => {
+                let kind = ExchangeKind::parse(kind).ok_or_else(|| {
+                    AmqpError::command_invalid(format!("unknown exchange type '{kind}'"))
+                })?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                v.exchanges.entry(name.clone()).or_insert_with(|| {
+                    Exchange::new(
+                        name.clone(),
+                        kind,
+                        *durable,
+                        *auto_delete,
+                        *internal,
+                        arguments,
+                    )
+                });
+            }
+            Op::DeleteExchange { vhost, name } => {
+                let v = self.vhost_mut(vhost)?;
+                v.exchanges.remove(name);
+                // Bindings that pointed at it go too; an auto-delete exchange left without
+                // bindings goes with them, and so on up the chain (as RabbitMQ).
+                let dest = Dest::Exchange(name.clone());
+                let mut emptied: Vec<String> = Vec::new();
+                for x in v.exchanges.values_mut() {
+                    if x.unbind_dest(&dest) > 0 && x.auto_delete && x.bindings.is_empty() {
+                        emptied.push(x.name.clone());
+                    }
+                }
+                // In name order, whatever the map's: the same on every broker.
+                emptied.sort_unstable();
+                for name in emptied {
+                    self.exec(
+                        &Op::DeleteExchange {
+                            vhost: vhost.clone(),
+                            name,
+                        },
+                        fx,
+                    )?;
+                }
+            }
+            Op::DeclareQueue {
+                vhost,
+                name,
+                durable,
+                exclusive,
+                auto_delete,
+                arguments,
+            } => {
+                let arguments = decode_table(arguments)?;
+                let id = self.replicated.next_queue_id;
+                let v = self.vhost_mut(vhost)?;
+                if !v.queues.contains_key(name) {
+                    v.queues.insert(name.clone(), id);
+                    self.replicated.next_queue_id += 1;
+                    let mut q = Queue::new(
+                        name.clone(),
+                        vhost.clone(),
+                        *durable,
+                        *exclusive,
+                        *auto_delete,
+                        arguments,
+                    );
+                    q.pager = self.local.pager.clone();
+                    // x-expires counts from the declaration, or from the restart that replays
+                    // it (recovery used to leave durable queues with x-expires for ever).
+                    q.last_used = self.local.now_ms;
+                    if q.expires.is_some() {
+                        self.local.expirable.insert(id);
+                    }
+                    self.replicated.queues.insert(id, q);
+                }
+            }
+            Op::DeleteQueue { vhost, name } => {
+                if let Some(id) = self.vhost(vhost)?.queues.get(name).copied() {
+                    // The store drops what it holds for the queue (also a non-durable queue's
+                    // spills, which no replica has).
+                    if self
+                        .replicated
+                        .queues
+                        .get(&id)
+                        .is_some_and(|q| q.has_storage())
+                    {
+                        self.log.write(op.clone());
+                    }
+                    self.delete_queue_by_id(id, fx);
+                }
+            }
+            Op::Bind {
+                vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            } => {
+                let dest = self.resolve_dest(vhost, destination)?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                if let Some(x) = v.exchanges.get_mut(source) {
+                    x.bind(dest, routing_key.clone(), arguments);
+                }
+            }
+            Op::Unbind {
+                vhost,
+                source,
+                destination,
+                routing_key,
+                arguments,
+            } => {
+                let dest = self.resolve_dest(vhost, destination)?;
+                let arguments = decode_table(arguments)?;
+                let v = self.vhost_mut(vhost)?;
+                let mut auto_delete = false;
+                if let Some(x) = v.exchanges.get_mut(source) {
+                    if x.unbind(&dest, routing_key, &arguments) {
+                        auto_delete = x.auto_delete && x.bindings.is_empty();
+                    }
+                }
+                if auto_delete {
+                    self.exec(
+                        &Op::DeleteExchange {
+                            vhost: vhost.clone(),
+                            name: source.clone(),
+                        },
+                        fx,
+                    )?;
+                }
+            }
+            Op::Enqueue {
+                vhost,
+                queues,
+                id,
+                timestamp_ms,
+                exchange,
+                routing_key,
+                properties,
+                body,
+            } => {
+                let msg = Arc::new(stored_message(
+                    exchange,
+                    routing_key,
+                    properties.clone(),
+                    body.clone(),
+                )?);
+                let v = self.vhost(vhost)?;
+                let ids: Vec<QueueId> = queues
+                    .iter()
+                    .filter_map(|(n, _)| v.queues.get(&**n).copied())
+                    .collect();
+                self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
+                self.log.write(op.clone());
+                // Only the change: what a leader decides after it (deliveries, a TTL-0 drop,
+                // drop-head trimming, dead-lettering) comes as ops of its own.
+                self.enqueue(&ids, *id, *timestamp_ms, msg, false, fx);
+            }
+            Op::Remove { vhost, queue, keys } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
+                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
+                        // On the broker that decided it the messages had left the ready list
+                        // already (delivered, dropped); elsewhere they leave it here.
+                        q.remove_keys(keys);
+                    }
+                }
+                self.log.write(op.clone());
+            }
+            Op::RemoveRange {
+                vhost,
+                queue,
+                from,
+                to,
+            } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
+                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
+                        q.remove_key_range(*from, *to);
+                    }
+                }
+                self.log.write(op.clone());
+            }
+            Op::Purge { vhost, queue } => {
+                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
+                    self.purge_queue(qid);
+                }
+            }
+            // Local paging: a store write, nothing more.
+            Op::Spill { .. } => self.log.write(op.clone()),
+            Op::PutUser {
+                name,
+                password_hash,
+                tags,
+            } => {
+                self.replicated.users.insert(
+                    name.clone(),
+                    users::User {
+                        password_hash: password_hash.clone(),
+                        tags: tags.clone(),
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Drop every ready message of a queue (`Op::Purge`). Delivered messages waiting for an
+    /// ack stay (in the store too): with none, the queue's whole keyspace goes (`Purge`);
+    /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
+    /// which is also what is replicated, since elsewhere those deliveries are ready messages.
+    fn purge_queue(&mut self, id: QueueId) {
+        let Some(q) = self.replicated.queues.get_mut(&id) else {
+            return;
+        };
+        let (_, keys, ranges) = q.purge();
+        if !q.has_storage() {
+            return;
+        }
+        let replicated = q.is_stored();
+        let (vhost, queue) = (q.vhost.clone(), q.name.clone());
+        let mut ops: Vec<Op> = Vec::new();
+        if q.unacked == 0 {
+            ops.push(Op::Purge { vhost, queue });
+        } else {
+            if !keys.is_empty() {
+                ops.push(Op::Remove {
+                    vhost: vhost.clone(),
+                    queue: queue.clone(),
+                    keys,
+                });
+            }
+            for (from, to) in ranges {
+                ops.push(Op::RemoveRange {
+                    vhost: vhost.clone(),
+                    queue: queue.clone(),
+                    from,
+                    to,
+                });
+            }
+        }
+        for op in ops {
+            if replicated {
+                self.log.root(&op);
+            }
+            self.log.write(op);
+        }
+    }
+
+    /// A queue this broker decided to delete (x-expires, auto-delete, its exclusive owner
+    /// gone), through `apply` like a client's queue.delete.
+    pub(crate) fn delete_queue(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        let Some(q) = self.replicated.queues.get(&id) else {
+            return;
+        };
+        let op = Op::DeleteQueue {
+            vhost: q.vhost.to_string(),
+            name: q.name.to_string(),
+        };
+        let _ = self.apply(&op, fx);
+    }
+
+    /// Remove a queue: its bindings, its consumers (who are told), its messages. Only `exec`
+    /// of a `DeleteQueue` calls this.
+    fn delete_queue_by_id(&mut self, id: QueueId, fx: &mut Vec<Effect>) {
+        self.local.expiring.remove(&id);
+        let Some(q) = self.replicated.queues.remove(&id) else {
+            return;
+        };
+        let mut emptied: Vec<String> = Vec::new();
+        if let Some(v) = self.replicated.vhosts.get_mut(&*q.vhost) {
+            v.queues.remove(&*q.name);
+            for x in v.exchanges.values_mut() {
+                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
+                    emptied.push(x.name.clone());
+                }
+            }
+        }
+        self.local.expirable.remove(&id);
+        for key in q.consumers.into_iter().map(|c| c.key) {
+            if let Some(ch) = self
+                .local
+                .conns
+                .get_mut(&key.conn)
+                .and_then(|c| c.channels.get_mut(&key.channel))
+            {
+                if let Some(pos) = ch.consumers.iter().position(|c| *c.tag == *key.tag) {
+                    let c = ch.consumers.remove(pos);
+                    fx.push(Effect::ConsumerCancelled {
+                        conn: key.conn,
+                        channel: key.channel,
+                        consumer_tag: c.tag,
+                    });
+                }
+            }
+        }
+        // A cascade: derived wherever the deletion is applied, in name order.
+        emptied.sort_unstable();
+        for name in emptied {
+            let _ = self.exec(
+                &Op::DeleteExchange {
+                    vhost: q.vhost.to_string(),
+                    name,
+                },
+                fx,
+            );
+        }
+    }
+}
