@@ -516,7 +516,10 @@ impl Broker {
     /// out past the window), journaling a spill for each message it paged out that the store
     /// does not hold yet; a queue that dropped messages is marked dirty.
     fn after_requeue(&mut self, qid: QueueId, now: u64) {
-        let (stored_batch, spill_batch) = (self.log.seq(), self.log.seq() + 1);
+        let (stored_batch, spill_batch) = (
+            self.log.seq() + self.log.pending() as u64,
+            self.log.seq() + 1,
+        );
         let mut spills = Vec::new();
         let Some(q) = self.replicated.queues.get_mut(&qid) else {
             return;

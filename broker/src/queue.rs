@@ -67,6 +67,9 @@ struct Level {
     returned: VecDeque<Returned>,
     /// Entries of `returned` still holding their message in memory.
     returned_held: usize,
+    /// Entries requeued into `returned` not yet given a store write (`UNASSIGNED`), at most:
+    /// `page_out_returned` looks for them only when there may be some.
+    returned_unassigned: usize,
     disk_count: u64,
     disk_bytes: u64,
     disk_first: u64,
@@ -96,6 +99,8 @@ struct Returned {
     id: u64,
     size: u64,
     returns: u32,
+    /// Delivered before (a requeued message; the newer ones paged out with it were not).
+    redelivered: bool,
     expires_at: Option<u64>,
     /// The store has (or, once `batch` is written, will have) its record.
     stored: bool,
@@ -513,8 +518,17 @@ impl Queue {
     /// staged ones. Called when the level's in-memory head is empty.
     fn refill(&mut self, level: usize) {
         self.release_written(level);
-        if !self.levels[level].returned.is_empty() {
-            return self.refill_returned(level);
+        // Requeued messages paged out come first; a batch of them all missing from the store
+        // (a failed write) must not leave the head empty while more are waiting.
+        while self.levels[level].mem.is_empty() && !self.levels[level].returned.is_empty() {
+            let before = self.levels[level].returned.len();
+            self.refill_returned(level);
+            if self.read_failed || self.levels[level].returned.len() == before {
+                return;
+            }
+        }
+        if !self.levels[level].mem.is_empty() {
+            return;
         }
         let l = &mut self.levels[level];
         if l.disk_count == 0 {
@@ -625,7 +639,12 @@ impl Queue {
                 return;
             };
             match pager.store.read_keys(&self.vhost, &self.name, &keys) {
-                Ok(r) => read = r,
+                Ok(r) => {
+                    if let Some(unlogged) = self.read_errors.clear() {
+                        tracing::info!(queue = %self.name, failures_not_logged = unlogged, "reading the queue back from the store works again");
+                    }
+                    read = r;
+                }
                 Err(e) => {
                     if let Some(unlogged) =
                         self.read_errors.hit(pager.clock.load(Ordering::Relaxed))
@@ -671,7 +690,7 @@ impl Queue {
             self.levels[level].mem.push_back(QueuedMessage {
                 id: r.id,
                 msg,
-                redelivered: true,
+                redelivered: r.redelivered,
                 expires_at: r.expires_at,
                 returns: r.returns,
                 stored: r.stored,
@@ -685,8 +704,9 @@ impl Queue {
     /// hold yet (transient, or in a queue that is not stored) goes to `spills` (its store key
     /// and message) for the caller to journal as `Op::Spill` in journal batch `spill_batch`
     /// (the one being built), and keeps its message until that batch is written; one the
-    /// store holds keeps it until batch `stored_batch` (the last one taken, which holds every
-    /// op journaled before) is written.
+    /// store holds keeps it until batch `stored_batch` is written (the caller's: the last one
+    /// taken, or the one being built when it already holds writes, since the message's own
+    /// enqueue may be among them).
     pub fn page_out_returned(
         &mut self,
         stored_batch: u64,
@@ -698,9 +718,10 @@ impl Queue {
         }
         // Messages requeued among the paged-out ones (`requeue`) get this batch too.
         for (level, l) in self.levels.iter_mut().enumerate() {
-            if l.returned_held == 0 {
+            if l.returned_unassigned == 0 {
                 continue;
             }
+            l.returned_unassigned = 0;
             for r in l.returned.iter_mut().filter(|r| r.batch == UNASSIGNED) {
                 r.batch = stored_batch;
                 if !r.stored {
@@ -711,6 +732,9 @@ impl Queue {
                     }
                 }
             }
+        }
+        if !spills.is_empty() {
+            self.spilled = true;
         }
         let mut head: usize = self.levels.iter().map(|l| l.mem.len()).sum();
         if head <= WINDOW_MESSAGES && self.mem_bytes <= WINDOW_BYTES {
@@ -747,6 +771,7 @@ impl Queue {
                     id: qm.id,
                     size,
                     returns: qm.returns,
+                    redelivered: qm.redelivered,
                     expires_at: qm.expires_at,
                     stored: true,
                     batch,
@@ -816,6 +841,7 @@ impl Queue {
                     id: qm.id,
                     size,
                     returns: qm.returns,
+                    redelivered: true,
                     expires_at: qm.expires_at,
                     stored: qm.stored,
                     batch: UNASSIGNED,
@@ -823,6 +849,7 @@ impl Queue {
                 },
             );
             l.returned_held += 1;
+            l.returned_unassigned += 1;
             return true;
         }
         let l = &mut l.mem;

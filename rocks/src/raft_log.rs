@@ -147,6 +147,8 @@ impl RaftLogDb {
     pub fn purge(&self, upto: u64) -> Result<(), StoreError> {
         let log = self.cf(LOG)?;
         let meta = self.cf(META)?;
+        // The last purged index never goes back (a stale purge after a newer one).
+        let upto = upto.max(self.last_purged()?.unwrap_or(0));
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(
             &log,
@@ -263,6 +265,9 @@ mod tests {
             "nothing left at 0"
         );
         assert_eq!(db.read(11, 100, usize::MAX).unwrap().len(), 5);
+        // A stale purge does not move the last purged index back.
+        db.purge(5).unwrap();
+        assert_eq!(db.last_purged().unwrap(), Some(10));
         // Everything purged: the end of the log is still known.
         db.purge(15).unwrap();
         assert_eq!(db.last().unwrap(), None);

@@ -221,6 +221,9 @@ async fn read_loop(
             tokio::select! {
                 _ = outbox.drained.notified() => {}
                 _ = writer_done.cancelled() => break,
+                // A reply held for a commit can be what keeps the outbox full: the commit's
+                // news must still be taken, or the hold (and the connection) stays for ever.
+                Some(done) = commit_rx.recv() => session.on_commit(done),
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
             continue;

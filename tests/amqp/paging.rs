@@ -788,3 +788,37 @@ async fn requeued_transient_and_quorum_messages_page_out_and_drain_in_order() {
         &delivery_counts[..4]
     );
 }
+
+/// A requeue that pushes never-delivered messages past the window pages them out with the rest,
+/// and they must come back as they were: only the requeued ones are redelivered (the review of
+/// the paging found every paged-out message marked redelivered).
+#[tokio::test]
+async fn messages_paged_out_by_a_requeue_keep_their_redelivered_flag() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = confirming_channel(&conn).await;
+    ch.queue_declare("rflag".into(), durable_q(), FieldTable::default())
+        .await
+        .unwrap();
+    const N: usize = 2 * WINDOW_MESSAGES;
+    // More than the window: the head refills from disk while they are taken, so their return
+    // puts it past the window and its newest, never-delivered part pages out.
+    const TAKEN: usize = WINDOW_MESSAGES + WINDOW_MESSAGES / 8;
+    publish_n(&ch, "", "rflag", 0, N, |_| persistent()).await;
+    let taker = conn.create_channel().await.unwrap();
+    taker
+        .basic_qos(TAKEN as u16, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let held = take_unacked(&taker, "rflag", TAKEN).await;
+    assert_eq!(held.len(), TAKEN);
+    taker.close(200, "bye".into()).await.unwrap();
+    settles_within(&server, WINDOW_MESSAGES).await;
+    let got = get_n(&ch, "rflag", N).await;
+    assert_eq!(
+        got.iter().map(|(b, _)| *b).collect::<Vec<_>>(),
+        (0..N).collect::<Vec<_>>()
+    );
+    let redelivered: Vec<usize> = got.iter().filter(|(_, r)| *r).map(|(b, _)| *b).collect();
+    assert_eq!(redelivered, (0..TAKEN).collect::<Vec<_>>());
+}

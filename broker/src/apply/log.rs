@@ -34,6 +34,12 @@ impl Log {
         self.seq
     }
 
+    /// Whether store writes are waiting for the batch being built (`seq + 1`): what was
+    /// journaled before now is in that batch then, not only in the last one taken.
+    pub(crate) fn pending(&self) -> bool {
+        !self.writes.is_empty()
+    }
+
     /// Whether replicated ops are recorded (`Broker::record_ops`).
     pub(crate) fn recording(&self) -> bool {
         self.ops.is_some()
