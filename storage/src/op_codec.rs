@@ -133,43 +133,49 @@ pub fn tag(op: &Op) -> u8 {
 
 // Encoding.
 
+/// An op that cannot be encoded: a field or count past the encoding's u32 lengths.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("an op field of {0} bytes (or items) does not fit the op encoding's u32 length")]
+pub struct EncodeError(pub usize);
+
 /// A length or count as its u32 field. Nothing the broker accepts comes near 4 GiB (bodies are
-/// capped by `max_message_size`, names are AMQP short strings); a longer field would be written
-/// with a wrong length and corrupt the log, so it stops here instead.
-fn put_len(b: &mut BytesMut, n: usize) {
-    match u32::try_from(n) {
-        Ok(n) => b.put_u32(n),
-        Err(_) => panic!("op field of {n} bytes does not fit the op encoding's u32 length"),
-    }
+/// capped by `max_message_size`, names are AMQP short strings), but the fields come from
+/// clients: a longer one is refused, never written with a wrong length (nor a panic).
+fn put_len(b: &mut BytesMut, n: usize) -> Result<(), EncodeError> {
+    let len = u32::try_from(n).map_err(|_| EncodeError(n))?;
+    b.put_u32(len);
+    Ok(())
 }
 
-fn put_bytes(b: &mut BytesMut, s: &[u8]) {
-    put_len(b, s.len());
+fn put_bytes(b: &mut BytesMut, s: &[u8]) -> Result<(), EncodeError> {
+    put_len(b, s.len())?;
     b.put_slice(s);
+    Ok(())
 }
 
 fn put_bool(b: &mut BytesMut, v: bool) {
     b.put_u8(u8::from(v));
 }
 
-fn put_dest(b: &mut BytesMut, d: &BindingDest) {
+fn put_dest(b: &mut BytesMut, d: &BindingDest) -> Result<(), EncodeError> {
     match d {
         BindingDest::Queue(q) => {
             b.put_u8(DEST_QUEUE);
-            put_bytes(b, q.as_bytes());
+            put_bytes(b, q.as_bytes())
         }
         BindingDest::Exchange(x) => {
             b.put_u8(DEST_EXCHANGE);
-            put_bytes(b, x.as_bytes());
+            put_bytes(b, x.as_bytes())
         }
     }
 }
 
-fn put_body(b: &mut BytesMut, body: &Body) {
-    put_len(b, body.len());
+fn put_body(b: &mut BytesMut, body: &Body) -> Result<(), EncodeError> {
+    put_len(b, body.len())?;
     for part in body.parts() {
         b.put_slice(part);
     }
+    Ok(())
 }
 
 /// A message's fields after its queue(s) and id/key, shared by `Enqueue` and `Spill`.
@@ -180,18 +186,18 @@ fn put_message(
     routing_key: &str,
     properties: &[u8],
     body: &Body,
-) {
+) -> Result<(), EncodeError> {
     b.reserve(8 + 16 + exchange.len() + routing_key.len() + properties.len() + body.len());
     b.put_u64(timestamp_ms);
-    put_bytes(b, exchange.as_bytes());
-    put_bytes(b, routing_key.as_bytes());
-    put_bytes(b, properties);
-    put_body(b, body);
+    put_bytes(b, exchange.as_bytes())?;
+    put_bytes(b, routing_key.as_bytes())?;
+    put_bytes(b, properties)?;
+    put_body(b, body)
 }
 
 /// Appends one op (tag and fields, no format byte) to `b`. An op on its own is not versioned:
 /// stored or shipped, ops always travel inside an entry ([`encode_ops`]).
-pub fn encode_op(b: &mut BytesMut, op: &Op) {
+pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
     b.put_u8(tag(op));
     // Exhaustive (no `_ =>`): every variant must have its encoding here.
     match op {
@@ -204,17 +210,17 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             internal,
             arguments,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, name.as_bytes());
-            put_bytes(b, kind.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, name.as_bytes())?;
+            put_bytes(b, kind.as_bytes())?;
             put_bool(b, *durable);
             put_bool(b, *auto_delete);
             put_bool(b, *internal);
-            put_bytes(b, arguments);
+            put_bytes(b, arguments)?;
         }
         Op::DeleteExchange { vhost, name } | Op::DeleteQueue { vhost, name } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, name.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, name.as_bytes())?;
         }
         Op::DeclareQueue {
             vhost,
@@ -224,12 +230,12 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             auto_delete,
             arguments,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, name.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, name.as_bytes())?;
             put_bool(b, *durable);
             put_bool(b, *exclusive);
             put_bool(b, *auto_delete);
-            put_bytes(b, arguments);
+            put_bytes(b, arguments)?;
         }
         Op::Bind {
             vhost,
@@ -245,11 +251,11 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             routing_key,
             arguments,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, source.as_bytes());
-            put_dest(b, destination);
-            put_bytes(b, routing_key.as_bytes());
-            put_bytes(b, arguments);
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, source.as_bytes())?;
+            put_dest(b, destination)?;
+            put_bytes(b, routing_key.as_bytes())?;
+            put_bytes(b, arguments)?;
         }
         Op::Enqueue {
             vhost,
@@ -261,27 +267,27 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             properties,
             body,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_len(b, queues.len());
+            put_bytes(b, vhost.as_bytes())?;
+            put_len(b, queues.len())?;
             for (queue, level) in queues {
-                put_bytes(b, queue.as_bytes());
+                put_bytes(b, queue.as_bytes())?;
                 b.put_u8(*level);
             }
             b.put_u64(*id);
-            put_message(b, *timestamp_ms, exchange, routing_key, properties, body);
+            put_message(b, *timestamp_ms, exchange, routing_key, properties, body)?;
         }
         Op::Remove { vhost, queue, keys } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, queue.as_bytes());
-            put_len(b, keys.len());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, queue.as_bytes())?;
+            put_len(b, keys.len())?;
             b.reserve(8 * keys.len());
             for k in keys {
                 b.put_u64(*k);
             }
         }
         Op::Purge { vhost, queue } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, queue.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, queue.as_bytes())?;
         }
         Op::Spill {
             vhost,
@@ -293,10 +299,10 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             properties,
             body,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, queue.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, queue.as_bytes())?;
             b.put_u64(*key);
-            put_message(b, *timestamp_ms, exchange, routing_key, properties, body);
+            put_message(b, *timestamp_ms, exchange, routing_key, properties, body)?;
         }
         Op::RemoveRange {
             vhost,
@@ -304,8 +310,8 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             from,
             to,
         } => {
-            put_bytes(b, vhost.as_bytes());
-            put_bytes(b, queue.as_bytes());
+            put_bytes(b, vhost.as_bytes())?;
+            put_bytes(b, queue.as_bytes())?;
             b.put_u64(*from);
             b.put_u64(*to);
         }
@@ -314,30 +320,32 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) {
             password_hash,
             tags,
         } => {
-            put_bytes(b, name.as_bytes());
-            put_bytes(b, password_hash.as_bytes());
-            put_len(b, tags.len());
+            put_bytes(b, name.as_bytes())?;
+            put_bytes(b, password_hash.as_bytes())?;
+            put_len(b, tags.len())?;
             for t in tags {
-                put_bytes(b, t.as_bytes());
+                put_bytes(b, t.as_bytes())?;
             }
         }
     }
+    Ok(())
 }
 
 /// Appends the entry of `ops` (format byte, count, ops) to `b`.
-pub fn encode_ops_into(b: &mut BytesMut, ops: &[Op]) {
+pub fn encode_ops_into(b: &mut BytesMut, ops: &[Op]) -> Result<(), EncodeError> {
     b.put_u8(FORMAT);
-    put_len(b, ops.len());
+    put_len(b, ops.len())?;
     for op in ops {
-        encode_op(b, op);
+        encode_op(b, op)?;
     }
+    Ok(())
 }
 
 /// The entry of `ops`: format byte, count, ops.
-pub fn encode_ops(ops: &[Op]) -> Bytes {
+pub fn encode_ops(ops: &[Op]) -> Result<Bytes, EncodeError> {
     let mut b = BytesMut::new();
-    encode_ops_into(&mut b, ops);
-    b.freeze()
+    encode_ops_into(&mut b, ops)?;
+    Ok(b.freeze())
 }
 
 // Decoding: every read checks what remains first.
@@ -574,14 +582,17 @@ mod tests {
     fn golden(op: Op, expected: &str) {
         let expected = hex(expected);
         let mut b = BytesMut::new();
-        encode_op(&mut b, &op);
+        encode_op(&mut b, &op).unwrap();
         assert_eq!(&b[..], &expected[..], "encoding of {op:?}");
         assert_eq!(
             decode_op(&mut Bytes::from(expected.clone())).as_ref(),
             Ok(&op)
         );
         let whole = entry(&[&expected]);
-        assert_eq!(&encode_ops(std::slice::from_ref(&op))[..], &whole[..]);
+        assert_eq!(
+            &encode_ops(std::slice::from_ref(&op)).unwrap()[..],
+            &whole[..]
+        );
         assert_eq!(decode_ops(Bytes::from(whole.clone())), Ok(vec![op]));
         for n in 0..whole.len() {
             assert!(decode_ops(Bytes::copy_from_slice(&whole[..n])).is_err());
@@ -764,7 +775,7 @@ mod tests {
 
     #[test]
     fn golden_empty_entry() {
-        assert_eq!(&encode_ops(&[])[..], &hex("01 00000000")[..]);
+        assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
     }
 
@@ -864,11 +875,11 @@ mod tests {
     #[test]
     fn batch_round_trip() {
         let ops = every_variant();
-        let b = encode_ops(&ops);
+        let b = encode_ops(&ops).unwrap();
         assert_eq!(decode_ops(b.clone()), Ok(ops.clone()));
         // Appending to a buffer that already holds something writes the same entry after it.
         let mut out = BytesMut::from(&b"prefix"[..]);
-        encode_ops_into(&mut out, &ops);
+        encode_ops_into(&mut out, &ops).unwrap();
         assert_eq!(&out[6..], &b[..]);
         // One op at a time from the front of the ops, as `decode_ops` reads them.
         let mut rest = b.slice(5..);
@@ -880,7 +891,7 @@ mod tests {
 
     #[test]
     fn every_truncation_is_an_error() {
-        let b = encode_ops(&every_variant());
+        let b = encode_ops(&every_variant()).unwrap();
         for n in 0..b.len() {
             assert!(decode_ops(b.slice(..n)).is_err(), "prefix of {n} bytes");
         }
@@ -888,7 +899,7 @@ mod tests {
         let mut one = BytesMut::new();
         for op in every_variant() {
             one.clear();
-            encode_op(&mut one, &op);
+            encode_op(&mut one, &op).unwrap();
             let one = one.clone().freeze();
             for n in 0..one.len() {
                 assert!(decode_op(&mut one.slice(..n)).is_err(), "{op:?} cut at {n}");
@@ -935,6 +946,15 @@ mod tests {
     }
 
     #[test]
+    fn a_length_past_u32_is_refused_when_encoding() {
+        let mut b = BytesMut::new();
+        let n = u32::MAX as usize + 1;
+        assert_eq!(put_len(&mut b, n), Err(EncodeError(n)));
+        assert!(b.is_empty(), "nothing written for a refused length");
+        assert_eq!(put_len(&mut b, u32::MAX as usize), Ok(()));
+    }
+
+    #[test]
     fn hostile_lengths_are_refused_before_allocating() {
         let decode = |s: &str| decode_ops(Bytes::from(hex(s)));
         let past_end = Err(DecodeError("count past the end of the input"));
@@ -970,7 +990,7 @@ mod tests {
     #[test]
     fn decoded_bytes_share_the_input() {
         let ops = every_variant();
-        let b = encode_ops(&ops[6..7]);
+        let b = encode_ops(&ops[6..7]).unwrap();
         let range = b.as_ptr_range();
         let Ok(decoded) = decode_ops(b.clone()) else {
             panic!("does not decode")
@@ -1171,10 +1191,10 @@ mod tests {
         proptest! {
             #[test]
             fn round_trip(ops in vec(op(), 0..16)) {
-                let b = encode_ops(&ops);
+                let b = encode_ops(&ops).unwrap();
                 prop_assert_eq!(decode_ops(b.clone()), Ok(ops.clone()));
                 // Decoding is the inverse both ways: re-encoding gives the same bytes.
-                prop_assert_eq!(encode_ops(&ops), b);
+                prop_assert_eq!(encode_ops(&ops).unwrap(), b);
             }
 
             #[test]
@@ -1184,7 +1204,7 @@ mod tests {
                 byte in any::<u8>(),
             ) {
                 // One byte of a valid entry replaced: an error or some ops, never a panic.
-                let mut v = encode_ops(&ops).to_vec();
+                let mut v = encode_ops(&ops).unwrap().to_vec();
                 let i = at.index(v.len());
                 v[i] = byte;
                 let _ = decode_ops(Bytes::from(v));

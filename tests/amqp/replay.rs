@@ -358,7 +358,7 @@ async fn applying_the_recorded_ops_to_a_fresh_broker_gives_the_same_state() {
     ));
 
     // As a replica gets them: encoded (the versioned op encoding) and decoded again.
-    let shipped = warren_storage::op_codec::encode_ops(&ops);
+    let shipped = warren_storage::op_codec::encode_ops(&ops).unwrap();
     let ops = warren_storage::op_codec::decode_ops(shipped).unwrap();
     let mut fresh = warren::broker::Broker::new();
     let mut fx = Vec::new();
