@@ -1735,10 +1735,7 @@ impl Broker {
             let Some(q) = self.replicated.queues.get_mut(qid) else {
                 continue;
             };
-            let ttl = match (q.message_ttl, msg.expiration) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let ttl = q.ttl(&msg);
             let expires_at = ttl.map(|t| at.saturating_add(t));
             let stored = self.log.enabled() && q.is_stored() && msg.persistent();
             let qm = QueuedMessage {

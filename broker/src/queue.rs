@@ -595,10 +595,7 @@ impl Queue {
                     continue;
                 }
             };
-            let ttl = match (self.message_ttl, msg.expiration) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
+            let ttl = self.ttl(&msg);
             self.mem_count += 1;
             self.mem_bytes += size;
             self.levels[level].mem.push_back(QueuedMessage {

@@ -165,8 +165,9 @@ pub(crate) fn core<R>(
     ctx: &mut CoreCtx,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let notify = ctx.notify.clone();
-    let (r, ticket) = shared.execute(Caller::Conn { notify: &notify }, &mut ctx.fx, f);
+    // Borrowed apart: `execute` clones the sender once (the committer keeps it per batch).
+    let CoreCtx { fx, notify, .. } = ctx;
+    let (r, ticket) = shared.execute(Caller::Conn { notify }, fx, f);
     ctx.last_ticket = ticket;
     r
 }
@@ -192,13 +193,13 @@ pub(crate) fn core_durable_after<R>(
     after: Option<u64>,
     f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
 ) -> R {
-    let notify = ctx.notify.clone();
+    let CoreCtx { fx, notify, .. } = ctx;
     let caller = Caller::Reply {
-        notify: &notify,
+        notify,
         outbox,
         after,
     };
-    let (r, ticket) = shared.execute(caller, &mut ctx.fx, f);
+    let (r, ticket) = shared.execute(caller, fx, f);
     ctx.last_ticket = ticket;
     r
 }
