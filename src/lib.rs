@@ -9,6 +9,7 @@ mod auth;
 /// The broker core, its own crate (`broker/`): nothing in it can name tokio or RocksDB.
 pub use warren_broker as broker;
 mod clock;
+pub mod cluster;
 pub mod commit;
 pub mod config;
 pub mod conn;

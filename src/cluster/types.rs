@@ -1,0 +1,77 @@
+//! The Raft type configuration of the broker's one replicated log, and what its entries carry.
+//! openraft's types stay inside `cluster/`: the rest of the server sees `Batch` and `NodeInfo`.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use std::io::Cursor;
+
+/// A node's addresses: its Raft link (from `--peers`), and the AMQP and management addresses
+/// clients and operators reach it on (each node fills these in for itself; they travel in the
+/// membership, so any node can name every other's).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub raft: String,
+    #[serde(default)]
+    pub amqp: String,
+    #[serde(default)]
+    pub http: String,
+}
+
+impl std::fmt::Display for NodeInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "raft {} amqp {} http {}",
+            self.raft, self.amqp, self.http
+        )
+    }
+}
+
+/// One entry of the log: a batch of replicated root ops (one group commit of the leader),
+/// encoded with `warren_storage::op_codec` so the format is versioned and never panics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Batch {
+    /// The proposing process (random per start of a node): the leader recognises its own
+    /// entries when it applies them, and does not apply them to its broker a second time.
+    pub proposer: u64,
+    /// The highest journal ticket of the leader this entry covers (its journals wait for it).
+    pub ticket: u64,
+    /// The leader's broker clock when the ops were made: replicas apply with the same clock,
+    /// so nothing clock-dependent in the apply diverges.
+    pub clock_ms: u64,
+    /// `op_codec::encode_ops` of the ops.
+    pub ops: Bytes,
+}
+
+impl std::fmt::Display for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "batch(ticket {}, {} bytes)", self.ticket, self.ops.len())
+    }
+}
+
+/// A snapshot as it travels and is installed: the encoded replicated state (ops).
+pub type SnapshotData = Cursor<Vec<u8>>;
+
+openraft::declare_raft_types!(
+    /// The broker's Raft group.
+    pub TypeConfig:
+        D = Batch,
+        R = (),
+        NodeId = u64,
+        Node = NodeInfo,
+        Entry = openraft::Entry<TypeConfig>,
+        SnapshotData = SnapshotData,
+        AsyncRuntime = openraft::TokioRuntime,
+        Responder = openraft::impls::OneshotResponder<TypeConfig>,
+);
+
+pub type NodeId = u64;
+pub type Raft = openraft::Raft<TypeConfig>;
+pub type Entry = openraft::Entry<TypeConfig>;
+pub type LogId = openraft::LogId<NodeId>;
+pub type Vote = openraft::Vote<NodeId>;
+pub type StorageError = openraft::StorageError<NodeId>;
+pub type Membership = openraft::Membership<NodeId, NodeInfo>;
+pub type StoredMembership = openraft::StoredMembership<NodeId, NodeInfo>;
+pub type SnapshotMeta = openraft::SnapshotMeta<NodeId, NodeInfo>;
+pub type Snapshot = openraft::Snapshot<TypeConfig>;
