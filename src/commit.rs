@@ -24,6 +24,22 @@ struct Request {
     sync: bool,
     ticket: u64,
     notify: Option<UnboundedSender<Done>>,
+    /// More journal batches written in the same store write as `ops` (a replicated node's
+    /// apply of several entries: each batch's requester hears of it under its own ticket).
+    more: Vec<(u64, Option<UnboundedSender<Done>>)>,
+    /// The replicated log position these ops bring the store to, written in the same atomic
+    /// write (`Store::write_applied`).
+    applied: Option<Vec<u8>>,
+    /// Told whether the write succeeded, once it is done (the cluster's state machine waits
+    /// on it so that its applied position never runs ahead of the store).
+    done: Option<Box<dyn FnOnce(bool) + Send>>,
+}
+
+/// One journal batch of a group written with [`Committer::submit_group`].
+pub struct Part {
+    pub ticket: u64,
+    pub ops: crate::broker::Journal,
+    pub notify: Option<UnboundedSender<Done>>,
 }
 
 /// Counters, readable from anywhere.
@@ -98,6 +114,10 @@ fn cancel_acked(ops: &mut Vec<Op>) -> u64 {
 pub struct Committer {
     /// None once dropping (closing the channel ends the thread).
     tx: Option<mpsc::Sender<Request>>,
+    /// Whether writes that need it are fsynced. Off in a cluster: the replicated log is
+    /// fsynced on a majority before anything is applied, and a restart applies again what
+    /// the store lost (from its applied position on).
+    sync: bool,
     /// The highest ticket written (successfully or not): with tickets numbered like the
     /// broker's journal batches, queues know which staged messages the store has.
     pub written: Arc<AtomicU64>,
@@ -143,7 +163,9 @@ fn needs_sync(op: &Op) -> bool {
 }
 
 impl Committer {
-    pub fn start(store: Arc<dyn Store>) -> Self {
+    /// A committer that fsyncs what needs it (`sync`), or never (a cluster node: see the
+    /// field).
+    pub fn start(store: Arc<dyn Store>, sync: bool) -> Self {
         let (tx, rx) = mpsc::channel::<Request>();
         let stats = Arc::new(Stats::default());
         let written = Arc::new(AtomicU64::new(0));
@@ -156,6 +178,7 @@ impl Committer {
             .expect("spawning the committer thread");
         Committer {
             tx: Some(tx),
+            sync,
             written,
             progress,
             stats,
@@ -171,22 +194,77 @@ impl Committer {
         ops: crate::broker::Journal,
         notify: Option<UnboundedSender<Done>>,
     ) -> u64 {
-        let sync = ops.iter().any(needs_sync);
-        let Some(tx) = &self.tx else {
-            return ticket;
+        let sync = self.sync && ops.iter().any(needs_sync);
+        self.send(Request {
+            ops,
+            sync,
+            ticket,
+            notify,
+            more: Vec::new(),
+            applied: None,
+            done: None,
+        });
+        ticket
+    }
+
+    /// Write `parts` in one store write with the replicated position `applied`, and tell
+    /// `done` when it is done (true: written). Each part's requester hears under its ticket.
+    pub fn submit_group(
+        &self,
+        parts: Vec<Part>,
+        applied: Vec<u8>,
+        done: tokio::sync::oneshot::Sender<bool>,
+    ) {
+        let done: Box<dyn FnOnce(bool) + Send> = Box::new(move |ok| {
+            let _ = done.send(ok);
+        });
+        let mut parts = parts.into_iter();
+        let (ticket, mut ops, notify) = match parts.next() {
+            Some(p) => (p.ticket, p.ops, p.notify),
+            None => (0, Default::default(), None),
         };
-        if tx
-            .send(Request {
-                ops,
-                sync,
-                ticket,
-                notify,
-            })
-            .is_err()
-        {
+        let mut more = Vec::new();
+        for p in parts {
+            ops.extend(p.ops);
+            more.push((p.ticket, p.notify));
+        }
+        let sync = self.sync && ops.iter().any(needs_sync);
+        self.send(Request {
+            ops,
+            sync,
+            ticket,
+            notify,
+            more,
+            applied: Some(applied),
+            done: Some(done),
+        });
+    }
+
+    /// Wait until everything submitted before is written (blocking: for a caller outside the
+    /// async runtime's workers, or one that must hold a lock across it).
+    pub fn barrier(&self) -> bool {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Request {
+            ops: Default::default(),
+            sync: false,
+            ticket: 0,
+            notify: None,
+            more: Vec::new(),
+            applied: None,
+            done: Some(Box::new(move |ok| {
+                let _ = tx.send(ok);
+            })),
+        });
+        rx.recv().unwrap_or(false)
+    }
+
+    fn send(&self, r: Request) {
+        let Some(tx) = &self.tx else {
+            return;
+        };
+        if tx.send(r).is_err() {
             error!("the committer thread is gone");
         }
-        ticket
     }
 }
 
@@ -220,7 +298,11 @@ fn run(
             .count() as u64;
         let cancelled = cancel_acked(&mut ops);
         stats.cancelled.fetch_add(cancelled, Ordering::Relaxed);
-        let result = store.write(&ops, sync);
+        let applied = batch.iter_mut().rev().find_map(|r| r.applied.take());
+        let result = match &applied {
+            Some(a) => store.write_applied(&ops, a, sync),
+            None => store.write(&ops, sync),
+        };
         stats.writes.fetch_add(1, Ordering::Relaxed);
         stats.ops.fetch_add(ops.len() as u64, Ordering::Relaxed);
         stats.messages.fetch_add(messages, Ordering::Relaxed);
@@ -249,16 +331,22 @@ fn run(
             }
         };
         ops.clear();
-        if let Some(last) = batch.iter().map(|r| r.ticket).max() {
+        if let Some(last) = batch
+            .iter()
+            .flat_map(|r| std::iter::once(r.ticket).chain(r.more.iter().map(|m| m.0)))
+            .max()
+        {
             written.fetch_max(last, Ordering::Release);
         }
         progress.notify_waiters();
         for r in batch.drain(..) {
-            if let Some(n) = r.notify {
-                let _ = n.send(Done {
-                    ticket: r.ticket,
-                    ok,
-                });
+            for (ticket, notify) in std::iter::once((r.ticket, r.notify)).chain(r.more) {
+                if let Some(n) = notify {
+                    let _ = n.send(Done { ticket, ok });
+                }
+            }
+            if let Some(d) = r.done {
+                d(ok);
             }
         }
     }

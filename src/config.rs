@@ -53,6 +53,80 @@ pub struct Config {
     /// missing MANIFEST) instead of refusing: copy it to `<data>/damaged-<time>/`, repair it,
     /// log what was lost. Off by default: a damaged store needs an operator's decision.
     pub recover_damaged: bool,
+    /// Run as a node of a replicated cluster (`--node-id`, `--raft-listen`, `--peers`); None:
+    /// a single node with no Raft, as before.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// A cluster node's settings (issue 15).
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// This node's id (`--node-id`), one of `peers`.
+    pub node_id: u64,
+    /// Where this node accepts Raft connections from its peers (`--raft-listen`).
+    pub raft_listen: SocketAddr,
+    /// Every initial voter's Raft address, this node's included (`--peers`). Nodes started
+    /// with the same list form one cluster.
+    pub peers: std::collections::BTreeMap<u64, String>,
+    /// What a follower does with an AMQP client: hand it to the leader (the default) or
+    /// refuse it with connection.close 320 naming the leader's address.
+    pub follower_clients: FollowerClients,
+    /// The AMQP and management addresses other nodes and clients reach this node on (in its
+    /// membership data); None: the listen addresses, with an unspecified IP as the Raft
+    /// address's host.
+    pub advertise_amqp: Option<String>,
+    pub advertise_http: Option<String>,
+}
+
+/// See [`ClusterConfig::follower_clients`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FollowerClients {
+    #[default]
+    Proxy,
+    Refuse,
+}
+
+impl std::str::FromStr for FollowerClients {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "proxy" => Ok(FollowerClients::Proxy),
+            "refuse" => Ok(FollowerClients::Refuse),
+            _ => Err(format!("'{s}': expected proxy or refuse")),
+        }
+    }
+}
+
+/// Parse `--peers`: `ID=HOST:PORT` items separated by commas, ids unique and non-zero.
+pub fn parse_peers(s: &str) -> Result<std::collections::BTreeMap<u64, String>, String> {
+    let mut peers = std::collections::BTreeMap::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (id, addr) = item
+            .split_once('=')
+            .ok_or_else(|| format!("'{item}': expected ID=HOST:PORT"))?;
+        let id: u64 = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("'{item}': the node id must be a number"))?;
+        if id == 0 {
+            return Err(format!("'{item}': node ids start at 1"));
+        }
+        let addr = addr.trim();
+        if addr
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .is_none()
+        {
+            return Err(format!("'{item}': expected HOST:PORT after '='"));
+        }
+        if peers.insert(id, addr.to_string()).is_some() {
+            return Err(format!("node {id} is listed twice"));
+        }
+    }
+    if peers.is_empty() {
+        return Err("no peers listed".into());
+    }
+    Ok(peers)
 }
 
 impl Default for Config {
@@ -77,6 +151,7 @@ impl Default for Config {
             connection_max: None,
             vm_memory_high_watermark: Default::default(),
             recover_damaged: false,
+            cluster: None,
         }
     }
 }
@@ -107,7 +182,18 @@ pub fn parse_user_list(s: &str) -> Result<UserList, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_user_list, UserList};
+    use super::{parse_peers, parse_user_list, UserList};
+
+    #[test]
+    fn peer_lists_parse_and_bad_ones_are_refused() {
+        let p = parse_peers("1=127.0.0.1:5701, 2=localhost:5702,3=[::1]:5703").unwrap();
+        assert_eq!(p.len(), 3);
+        assert_eq!(p[&2], "localhost:5702");
+        assert_eq!(p[&3], "[::1]:5703");
+        for bad in ["", "1", "x=h:1", "0=h:1", "1=h", "1=h:1,1=h:2", "1=h:99999"] {
+            assert!(parse_peers(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn user_lists_parse_as_rabbitmq_names_them() {

@@ -99,6 +99,28 @@ struct ServerArgs {
         value_parser = clap::builder::BoolishValueParser::new()
     )]
     recover_damaged: bool,
+    /// This node's id in a cluster (with --raft-listen and --peers); without it the broker
+    /// runs alone, with no Raft.
+    #[arg(long, env = "WARREN_NODE_ID", requires_all = ["raft_listen", "peers"])]
+    node_id: Option<u64>,
+    /// Where to accept Raft connections from the other nodes (HOST:PORT).
+    #[arg(long, env = "WARREN_RAFT_LISTEN", requires = "node_id")]
+    raft_listen: Option<SocketAddr>,
+    /// Every initial voter's Raft address, this node's included: 1=HOST:PORT,2=HOST:PORT,...
+    /// Nodes started with the same list form one cluster.
+    #[arg(long, env = "WARREN_PEERS", requires = "node_id", value_parser = warren::config::parse_peers)]
+    peers: Option<std::collections::BTreeMap<u64, String>>,
+    /// What a follower does with AMQP clients: "proxy" them to the leader (the default) or
+    /// "refuse" them with connection.close 320 naming the leader's address.
+    #[arg(long, env = "WARREN_FOLLOWER_CLIENTS", default_value = "proxy")]
+    follower_clients: warren::config::FollowerClients,
+    /// The AMQP address other nodes hand clients to (default: --amqp-listen, with the Raft
+    /// address's host when it listens on every interface).
+    #[arg(long, env = "WARREN_ADVERTISE_AMQP")]
+    advertise_amqp: Option<String>,
+    /// The management address other nodes name for this one (default: as --advertise-amqp).
+    #[arg(long, env = "WARREN_ADVERTISE_HTTP")]
+    advertise_http: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -148,6 +170,22 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         },
         recover_damaged: args.recover_damaged,
         loopback_users: args.loopback_users.0,
+        cluster: match (args.node_id, args.raft_listen, args.peers) {
+            (Some(node_id), Some(raft_listen), Some(peers)) => {
+                if !peers.contains_key(&node_id) {
+                    anyhow::bail!("--peers does not list this node's id {node_id}");
+                }
+                Some(warren::config::ClusterConfig {
+                    node_id,
+                    raft_listen,
+                    peers,
+                    follower_clients: args.follower_clients,
+                    advertise_amqp: args.advertise_amqp,
+                    advertise_http: args.advertise_http,
+                })
+            }
+            _ => None,
+        },
         ..Default::default()
     };
     let listener = warren::server::bind_dual(config.amqp_listen)

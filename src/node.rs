@@ -17,7 +17,6 @@ use tokio::sync::watch;
 use tracing::info;
 
 /// State shared by all connections.
-#[derive(Debug)]
 pub struct Shared {
     pub config: Config,
     /// The broker core. Lock order: broker → outboxes → one outbox. Never held across an await.
@@ -26,6 +25,10 @@ pub struct Shared {
     pub outboxes: RwLock<rustc_hash::FxHashMap<ConnId, Arc<Outbox>>>,
     /// Writes durable changes to the store (None: nothing is kept across restarts).
     pub committer: Option<Committer>,
+    /// The store the committer writes and queues page from (None with no committer).
+    pub store: Option<Arc<dyn warren_storage::Store>>,
+    /// A cluster node's replication state (None: a single node, no Raft).
+    pub replication: Option<Arc<crate::cluster::Replication>>,
     /// The free-disk-space threshold in force (starts at `config.disk_free_limit`; adjustable
     /// while running).
     pub disk_free_limit: std::sync::atomic::AtomicU64,
@@ -46,6 +49,17 @@ pub struct Shared {
     /// Client sockets accepted at most: the descriptor limit less what the store may hold
     /// open and a reserve for the broker's own (see `socket_budget`).
     pub max_connections: usize,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("config", &self.config)
+            .field("committer", &self.committer)
+            .field("replication", &self.replication)
+            .field("connection_max", &self.connection_max)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Descriptors kept for the broker itself: listeners, the runtime's epoll and event fds, the
@@ -79,6 +93,22 @@ impl warren_storage::Store for SlowSync {
             std::thread::sleep(self.delay);
         }
         self.inner.write(ops, sync)
+    }
+
+    fn write_applied(
+        &self,
+        ops: &[warren_storage::Op],
+        applied: &[u8],
+        sync: bool,
+    ) -> Result<(), warren_storage::StoreError> {
+        if sync {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.write_applied(ops, applied, sync)
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, warren_storage::StoreError> {
+        self.inner.applied()
     }
 
     fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
@@ -154,11 +184,35 @@ impl BrokerGuard<'_> {
     /// Submit pending durable changes now; returns the commit ticket, if there were any.
     pub fn flush(&mut self) -> Option<u64> {
         let committer = self.shared.committer.as_ref()?;
-        let ops = self.guard.take_journal();
+        let replicated = self.guard.take_ops();
+        let mut ops = self.guard.take_journal();
         if ops.is_empty() {
+            debug_assert!(replicated.is_empty(), "replicated ops without store writes");
             return None;
         }
         let ticket = self.guard.journal_seq();
+        if let Some(rep) = &self.shared.replication {
+            let part = crate::commit::Part {
+                ticket,
+                ops,
+                notify: self.notify.clone(),
+            };
+            // The leader's journal waits for the Raft entry that carries its ops.
+            let Some(part) = rep.park(part, replicated, crate::clock::now_ms()) else {
+                return Some(ticket);
+            };
+            // Not leading: only local paging may be written here; a replicated change on a
+            // node that does not lead would be a change the cluster never agreed on.
+            ops = part.ops;
+            let before = ops.len();
+            ops.retain(|op| matches!(op, warren_storage::Op::Spill { .. }));
+            if ops.len() != before {
+                tracing::error!(
+                    dropped = before - ops.len(),
+                    "changes made on a node that does not lead were not stored"
+                );
+            }
+        }
         Some(committer.submit(ticket, ops, self.notify.clone()))
     }
 }
@@ -184,6 +238,8 @@ impl Shared {
             broker: Mutex::new(broker),
             outboxes: RwLock::new(Default::default()),
             committer: None,
+            store: None,
+            replication: None,
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
@@ -220,25 +276,21 @@ impl Shared {
         };
         let recovered = warren_storage::Store::recover(&store)
             .with_context(|| format!("reading the store in {}", path.display()))?;
-        let mut broker = Broker::new();
-        // Replayed declarations of queues with x-expires count their lease from now.
-        broker.set_clock(crate::clock::now_ms());
-        let mut fx = Vec::new();
-        for op in &recovered.ops {
-            broker
-                .apply(op, &mut fx)
-                .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
-        }
+        let definitions = recovered.ops.len();
+        let (mut broker, messages) = broker_from(&recovered)?;
         // The first start of a data folder (no user stored yet) creates the default users, as
         // RabbitMQ creates default_user only on a fresh database; they are on disk before any
-        // client can log in.
-        // From here on every change is journaled (replayed definitions were not: they are
-        // what the store holds).
-        broker.enable_journal();
-        let defaults = default_users(&broker, &config);
+        // client can log in. (A cluster node leaves that to its first leader: users are
+        // replicated like any definition.)
+        let defaults = if config.cluster.is_none() {
+            default_users(&broker, &config)
+        } else {
+            Vec::new()
+        };
         if !defaults.is_empty() {
             // Through the one apply like any change; its journal written before the start
             // goes on (the committer is not running yet).
+            let mut fx = Vec::new();
             for op in &defaults {
                 broker
                     .apply(op, &mut fx)
@@ -248,10 +300,6 @@ impl Shared {
             warren_storage::Store::write(&store, &journal, true)
                 .with_context(|| format!("storing the default user in {}", path.display()))?;
         }
-        // Messages stay on disk; queues read them back a window at a time.
-        let messages = broker.restore(&recovered.queues);
-        broker.mark_recovered();
-        let definitions = recovered.ops.len();
         info!(definitions, messages, path = %path.display(), "recovered");
         let store_files = store.max_open_files() as u64 + warren_rocks::open::STORE_OTHER_FILES;
         let store: Arc<dyn warren_storage::Store> = match config.sync_delay {
@@ -261,17 +309,30 @@ impl Shared {
             }),
             None => Arc::new(store),
         };
-        let committer = Committer::start(store.clone());
+        let committer = Committer::start(store.clone(), config.cluster.is_none());
         // Journal batches taken so far are written (the default users' above).
         committer
             .written
             .store(broker.journal_seq(), std::sync::atomic::Ordering::Release);
-        broker.set_pager(crate::broker::queue::Pager {
-            store,
-            written: committer.written.clone(),
-            hold_max_ms: config.flow_hold.as_millis() as u64,
-            read_failed: Default::default(),
-            clock: Default::default(),
+        broker.set_pager(pager(&store, &committer, &config));
+        let replication = config.cluster.as_ref().map(|c| {
+            Arc::new(crate::cluster::Replication::new(
+                c.node_id,
+                crate::cluster::types::NodeInfo {
+                    raft: c.peers.get(&c.node_id).cloned().unwrap_or_default(),
+                    amqp: c
+                        .advertise_amqp
+                        .clone()
+                        .unwrap_or_else(|| advertised(config.amqp_listen, &c.peers[&c.node_id])),
+                    http: c.advertise_http.clone().unwrap_or_else(|| {
+                        config
+                            .management_listen
+                            .map(|a| advertised(a, &c.peers[&c.node_id]))
+                            .unwrap_or_default()
+                    }),
+                },
+                crate::cluster::cluster_id(&c.peers),
+            ))
         });
         let limit = config.disk_free_limit;
         let connection_max = config_connection_max(&config);
@@ -281,6 +342,8 @@ impl Shared {
             broker: Mutex::new(broker),
             outboxes: RwLock::new(Default::default()),
             committer: Some(committer),
+            store: Some(store),
+            replication,
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
@@ -339,6 +402,12 @@ impl Shared {
             outbox.hold_end(began, ticket);
         }
         (r, ticket)
+    }
+
+    /// Whether this node serves clients and runs the timers that change state: a single
+    /// node always; a cluster node while it leads.
+    pub fn serves_clients(&self) -> bool {
+        self.replication.as_ref().is_none_or(|r| r.is_leader())
     }
 
     /// A read of the broker's state (the management API's lists): the lock, nothing else.
@@ -440,8 +509,79 @@ impl Shared {
     }
 }
 
+/// A broker holding what the store recovered: definitions replayed through the same `apply`
+/// live traffic uses, messages restored (they stay on disk; queues read them back a window at
+/// a time), every message marked redelivered, and every change journaled from then on.
+fn broker_from(recovered: &warren_storage::Recovered) -> anyhow::Result<(Broker, usize)> {
+    let mut broker = Broker::new();
+    // Replayed declarations of queues with x-expires count their lease from now.
+    broker.set_clock(crate::clock::now_ms());
+    let mut fx = Vec::new();
+    for op in &recovered.ops {
+        broker
+            .apply(op, &mut fx)
+            .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
+    }
+    // From here on every change is journaled (replayed definitions were not: they are what
+    // the store holds).
+    broker.enable_journal();
+    let messages = broker.restore(&recovered.queues);
+    broker.mark_recovered();
+    Ok((broker, messages))
+}
+
+fn pager(
+    store: &Arc<dyn warren_storage::Store>,
+    committer: &Committer,
+    config: &Config,
+) -> crate::broker::queue::Pager {
+    crate::broker::queue::Pager {
+        store: store.clone(),
+        written: committer.written.clone(),
+        hold_max_ms: config.flow_hold.as_millis() as u64,
+        read_failed: Default::default(),
+        clock: Default::default(),
+    }
+}
+
+/// The address others reach `listen` on: as given, or with the host of this node's Raft
+/// address when it listens on every interface.
+fn advertised(listen: std::net::SocketAddr, raft: &str) -> String {
+    if listen.ip().is_unspecified() {
+        let host = raft.rsplit_once(':').map(|(h, _)| h).unwrap_or(raft);
+        format!("{host}:{}", listen.port())
+    } else {
+        listen.to_string()
+    }
+}
+
+impl Shared {
+    /// Replace the broker with one rebuilt from the store (a node that stopped leading: its
+    /// broker may hold changes no entry committed). Waits for the committer first, so the
+    /// store holds every applied entry. Counters that outlive a broker (journal tickets,
+    /// connection ids) go on from the old one.
+    pub fn rebuild_broker(&self, broker: &mut Broker) -> anyhow::Result<()> {
+        let (Some(store), Some(committer)) = (&self.store, &self.committer) else {
+            return Ok(());
+        };
+        if !committer.barrier() {
+            anyhow::bail!("the store failed a write");
+        }
+        let recovered = store.recover()?;
+        let (mut fresh, _) = broker_from(&recovered)?;
+        fresh.set_pager(pager(store, committer, &self.config));
+        fresh.continue_after(broker);
+        *broker = fresh;
+        info!(
+            definitions = recovered.ops.len(),
+            "broker rebuilt from the store"
+        );
+        Ok(())
+    }
+}
+
 /// The ops that create `config.users` (administrators) when the broker has no user yet.
-fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
+pub(crate) fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
     if broker.has_users() {
         return Vec::new();
     }

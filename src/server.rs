@@ -31,6 +31,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let shared = Shared::open(config)?;
+    if shared.replication.is_some() {
+        crate::cluster::start(shared.clone()).await?;
+    }
     serve(listener, shared, shutdown).await
 }
 
@@ -110,11 +113,16 @@ pub async fn serve(
             loop {
                 tick.tick().await;
                 let timeout = shared.config.consumer_timeout;
+                // Expiry and the consumer timeout make replicated changes: the leader's alone
+                // (a follower applies the ops the leader's timers make).
+                let leads = shared.serves_clients();
                 shared.execute(Caller::Timer, &mut Vec::new(), |broker, fx| {
-                    broker.expire(fx);
+                    if leads {
+                        broker.expire(fx);
+                    }
                     broker.release_written();
                     broker.retry_reads(fx);
-                    if let Some(t) = timeout {
+                    if let (Some(t), true) = (timeout, leads) {
                         broker.enforce_ack_timeout(t.as_millis() as u64, fx);
                     }
                 });
@@ -178,6 +186,17 @@ pub async fn serve(
                 let _ = socket.set_nodelay(true);
                 let shared = shared.clone();
                 let stop = stop_rx.clone();
+                if let Some(rep) = shared.replication.clone() {
+                    if !rep.is_leader() && shared.config.cluster.as_ref().is_some_and(|c| {
+                        c.follower_clients == crate::config::FollowerClients::Proxy
+                    }) {
+                        tracker.spawn(
+                            crate::cluster::proxy::serve(socket, peer, shared, rep, stop)
+                                .instrument(info_span!("proxy", %peer)),
+                        );
+                        continue;
+                    }
+                }
                 tracker.spawn(
                     conn::serve(socket, peer, shared, stop).instrument(info_span!("conn", %peer)),
                 );

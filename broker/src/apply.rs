@@ -50,6 +50,15 @@ impl Broker {
         self.log.seq
     }
 
+    /// Go on from `old`'s counters that must never go back while the process runs: journal
+    /// batch numbers (the committer's `written` mark counts them) and connection ids (a
+    /// connection of the old broker still closing must not name a new one). For a broker
+    /// rebuilt in place of `old`.
+    pub fn continue_after(&mut self, old: &Broker) {
+        self.log.seq = self.log.seq.max(old.log.seq);
+        self.local.next_conn_id = self.local.next_conn_id.max(old.local.next_conn_id);
+    }
+
     /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
     pub fn record_ops(&mut self) {
         self.log.ops.get_or_insert_with(Vec::new);

@@ -587,8 +587,45 @@ fn keep_out_of_reclaim(reclaim: &mut Vec<(Vec<u8>, Vec<u8>)>, key: &[u8]) {
 /// carries an expiration) of each message.
 type Scan = (Vec<u8>, bool, Vec<(u64, u64, bool)>);
 
+/// The meta key of `Store::write_applied`'s position. Recovery reads definitions by their
+/// prefixes (X, Q, B, U), so it never sees this one.
+const APPLIED_KEY: &[u8] = b"R:applied";
+
 impl Store for RocksStore {
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+        self.write_with(ops, None, sync)
+    }
+
+    fn write_applied(&self, ops: &[Op], applied: &[u8], sync: bool) -> Result<(), StoreError> {
+        self.write_with(ops, Some(applied), sync)
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        self.inner.with_view(|v| {
+            let meta = v.meta()?;
+            v.db.get_cf(&meta, APPLIED_KEY).map_err(|e| v.err(e))
+        })
+    }
+
+    fn recover(&self) -> Result<Recovered, StoreError> {
+        RocksStore::recover_store(self)
+    }
+
+    fn read(
+        &self,
+        vhost: &str,
+        queue: &str,
+        from: u64,
+        to: u64,
+        max_count: usize,
+        max_bytes: usize,
+    ) -> Result<Vec<StoredMessage>, StoreError> {
+        RocksStore::read_store(self, vhost, queue, from, to, max_count, max_bytes)
+    }
+}
+
+impl RocksStore {
+    fn write_with(&self, ops: &[Op], applied: Option<&[u8]>, sync: bool) -> Result<(), StoreError> {
         // The scan made at open no longer describes the store.
         lock(&self.inner.recovered).take();
         let _w = lock(&self.inner.writing);
@@ -597,7 +634,7 @@ impl Store for RocksStore {
                 || ops
                     .iter()
                     .any(|op| matches!(op, Op::Enqueue { queues, .. } if queues.len() > 1));
-            let result = v.write_ops(ops, sync);
+            let result = v.write_ops(ops, applied, sync);
             if let Err(e) = &result {
                 if shares {
                     // The reference counts were changed while the batch was built; what
@@ -613,7 +650,7 @@ impl Store for RocksStore {
         })
     }
 
-    fn recover(&self) -> Result<Recovered, StoreError> {
+    fn recover_store(&self) -> Result<Recovered, StoreError> {
         if let Some(scanned) = lock(&self.inner.recovered).take() {
             return Ok(scanned);
         }
@@ -621,7 +658,8 @@ impl Store for RocksStore {
         self.inner.with_view(|v| v.recover_all())
     }
 
-    fn read(
+    #[allow(clippy::too_many_arguments)]
+    fn read_store(
         &self,
         vhost: &str,
         queue: &str,
@@ -636,7 +674,7 @@ impl Store for RocksStore {
 }
 
 impl View<'_> {
-    fn write_ops(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+    fn write_ops(&self, ops: &[Op], applied: Option<&[u8]>, sync: bool) -> Result<(), StoreError> {
         let meta = self.meta()?;
         let messages = self.messages()?;
         let shared = self.shared()?;
@@ -832,6 +870,11 @@ impl View<'_> {
                         .put_cf(&meta, entity_key(USER_PREFIX, "", name), rec.encode());
                 }
             }
+        }
+        if let Some(a) = applied {
+            // In the logged batch that ends the write: the position is on disk with (never
+            // before) what it covers.
+            b.logged(self)?.put_cf(&meta, APPLIED_KEY, a);
         }
         let reclaim = std::mem::take(&mut b.reclaim);
         b.finish(self, sync)?;

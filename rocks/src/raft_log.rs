@@ -12,7 +12,8 @@
 //!   reaches the disk ahead of the log it was cast on.
 //! - `truncate` (a leader overwrote a conflicting suffix) and `purge` (entries a snapshot
 //!   covers) are range deletes; `purge` records the last purged index in the same write, so the
-//!   log's end is known even when every entry is purged.
+//!   log's end is known even when every entry is purged (`purge_with_meta` also stores the
+//!   caller's own record of it, the full log id, in that write).
 //!
 //! Column families: `log` (index, big-endian, so iteration is in index order) and `meta`.
 
@@ -132,6 +133,19 @@ impl RaftLogDb {
         }
     }
 
+    /// The first entry's index, if the log holds any.
+    pub fn first(&self) -> Result<Option<u64>, StoreError> {
+        let log = self.cf(LOG)?;
+        match self.db.iterator_cf(&log, IteratorMode::Start).next() {
+            Some(item) => {
+                let (k, _) = item.map_err(|e| self.e(e))?;
+                let index = index_of(&k).ok_or_else(|| self.corrupt("a log key is not 8 bytes"))?;
+                Ok(Some(index))
+            }
+            None => Ok(None),
+        }
+    }
+
     /// Delete the entries from `from` on (a conflicting suffix).
     pub fn truncate(&self, from: u64) -> Result<(), StoreError> {
         let log = self.cf(LOG)?;
@@ -145,10 +159,23 @@ impl RaftLogDb {
     /// Delete the entries up to `upto` (inclusive; a snapshot covers them) and record `upto` as
     /// the last purged index, in one write.
     pub fn purge(&self, upto: u64) -> Result<(), StoreError> {
+        self.purge_and_put(upto, None)
+    }
+
+    /// `purge`, and in the same write store the named value `key` (what the caller knows of
+    /// the purged entry, e.g. its full id), so the two can never disagree after a crash. A
+    /// stale purge (below the last purged index) leaves the value as it is.
+    pub fn purge_with_meta(&self, upto: u64, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        self.purge_and_put(upto, Some((key, value)))
+    }
+
+    fn purge_and_put(&self, upto: u64, put: Option<(&[u8], &[u8])>) -> Result<(), StoreError> {
         let log = self.cf(LOG)?;
         let meta = self.cf(META)?;
         // The last purged index never goes back (a stale purge after a newer one).
-        let upto = upto.max(self.last_purged()?.unwrap_or(0));
+        let prior = self.last_purged()?.unwrap_or(0);
+        let stale = upto < prior;
+        let upto = upto.max(prior);
         let mut batch = WriteBatch::default();
         batch.delete_range_cf(
             &log,
@@ -156,6 +183,9 @@ impl RaftLogDb {
             upto.saturating_add(1).to_be_bytes(),
         );
         batch.put_cf(&meta, LAST_PURGED, upto.to_be_bytes());
+        if let (Some((key, value)), false) = (put, stale) {
+            batch.put_cf(&meta, key, value);
+        }
         self.db.write(batch).map_err(|e| self.e(e))
     }
 
@@ -276,6 +306,26 @@ mod tests {
         let db = RaftLogDb::open(dir.path()).unwrap();
         assert_eq!(db.last_purged().unwrap(), Some(15));
         assert_eq!(db.last().unwrap(), None);
+    }
+
+    #[test]
+    fn first_and_purge_with_meta() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        assert_eq!(db.first().unwrap(), None);
+        append(&db, &entries(3..11));
+        assert_eq!(db.first().unwrap(), Some(3));
+        db.purge_with_meta(5, b"purged id", b"five").unwrap();
+        assert_eq!(db.first().unwrap(), Some(6));
+        assert_eq!(db.last_purged().unwrap(), Some(5));
+        assert_eq!(db.get_meta(b"purged id").unwrap(), Some(b"five".to_vec()));
+        // A stale purge keeps both the index and the value.
+        db.purge_with_meta(4, b"purged id", b"four").unwrap();
+        assert_eq!(db.last_purged().unwrap(), Some(5));
+        assert_eq!(db.get_meta(b"purged id").unwrap(), Some(b"five".to_vec()));
+        db.purge_with_meta(10, b"purged id", b"ten").unwrap();
+        assert_eq!(db.first().unwrap(), None);
+        assert_eq!(db.get_meta(b"purged id").unwrap(), Some(b"ten".to_vec()));
     }
 
     #[test]

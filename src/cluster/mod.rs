@@ -1,4 +1,398 @@
 //! The replicated cluster (issue 15): one Raft group (openraft) whose log is the op stream of
 //! the broker's one apply.
+//!
+//! How a change travels, on the leader: a command runs on the broker under its lock, as on a
+//! single node (replies and deliveries are decided at once); `BrokerGuard::flush` hands its
+//! replicated root ops to the proposer and parks its journal (the store write and whoever
+//! waits for it: confirms, *-ok replies) in `Proposals::fifo`. The proposer makes one Raft
+//! entry of everything that arrived meanwhile (group commit becomes batched proposals). When
+//! openraft has the entry fsynced on a majority it applies it (`sm.rs`): on the leader, that
+//! releases the parked journals to the committer, which writes them with the applied position
+//! and then tells their waiters, so a confirm means "committed". Followers apply each op
+//! through the same `Broker::apply`.
+//!
+//! Leadership: a node serves clients only once the first entry of its own term is applied
+//! (everything before it is then applied too). A node that stops leading fails what was
+//! parked (nothing unconfirmed is confirmed), closes its client connections and rebuilds its
+//! broker from its store, which holds exactly the applied entries: whatever it had done ahead
+//! of the commit is gone, and entries of its term that the next leader commits are applied to
+//! it as to any follower.
 
+pub mod log_store;
+pub mod net;
+pub mod proxy;
+pub mod sm;
+pub mod status;
 pub mod types;
+
+use crate::commit::{Done, Part};
+use crate::node::Shared;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use tracing::{error, info, warn};
+use types::{Batch, NodeId, NodeInfo, Raft};
+use warren_storage::Op;
+
+/// What the proposer, the state machine and `BrokerGuard::flush` share (under one lock, taken
+/// after the broker's).
+#[derive(Default)]
+pub struct Proposals {
+    /// While this node serves as leader: the leader id of its term (entries it proposed carry
+    /// it in their log id).
+    pub leading: Option<openraft::CommittedLeaderId<NodeId>>,
+    /// Journals waiting for the entry that covers their ticket.
+    pub fifo: VecDeque<Part>,
+    /// Replicated ops not yet proposed, the highest ticket among them, and the broker clock.
+    ops: Vec<Op>,
+    ticket: u64,
+    clock_ms: u64,
+    unproposed: bool,
+    /// Set by the state machine when it saw an entry it cannot reconcile with leading.
+    pub diverged: bool,
+}
+
+/// Replication state of a cluster node (`Shared::replication`).
+pub struct Replication {
+    pub me: NodeId,
+    /// Random per process start: marks the entries this process proposed.
+    pub proposer: u64,
+    pub state: parking_lot::Mutex<Proposals>,
+    /// Wakes the proposer.
+    wake: tokio::sync::Notify,
+    /// Set once Raft runs.
+    pub raft: OnceLock<Raft>,
+    /// Mirrors `state.leading.is_some()`, readable without a lock (accept loop, timers).
+    leader: AtomicBool,
+    /// This node's addresses (in its membership data).
+    pub info: NodeInfo,
+    pub cluster_id: String,
+    pub log: OnceLock<log_store::LogStore>,
+}
+
+impl std::fmt::Debug for Replication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replication")
+            .field("me", &self.me)
+            .field("leader", &self.is_leader())
+            .finish()
+    }
+}
+
+impl Replication {
+    pub fn new(me: NodeId, info: NodeInfo, cluster_id: String) -> Self {
+        Replication {
+            me,
+            proposer: rand::random::<u64>() | 1,
+            state: Default::default(),
+            wake: Default::default(),
+            raft: OnceLock::new(),
+            leader: AtomicBool::new(false),
+            info,
+            cluster_id,
+            log: OnceLock::new(),
+        }
+    }
+
+    /// Whether this node serves clients now (the leader, its term's first entry applied).
+    pub fn is_leader(&self) -> bool {
+        self.leader.load(Ordering::Acquire)
+    }
+
+    /// Park a journal batch and its replicated ops (called by `BrokerGuard::flush`, under the
+    /// broker lock, so the fifo is in journal order). Hands the batch back when this node
+    /// does not lead: it is then a local write (paging), for the committer directly.
+    #[must_use]
+    pub fn park(&self, part: Part, ops: Vec<Op>, clock_ms: u64) -> Option<Part> {
+        let mut p = self.state.lock();
+        if p.leading.is_none() {
+            return Some(part);
+        }
+        p.ticket = p.ticket.max(part.ticket);
+        p.fifo.push_back(part);
+        p.ops.extend(ops);
+        p.clock_ms = clock_ms;
+        p.unproposed = true;
+        drop(p);
+        self.wake.notify_one();
+        None
+    }
+
+    /// The leader's address book entry: the node currently leading and its addresses.
+    pub fn leader_info(&self) -> Option<(NodeId, NodeInfo)> {
+        let raft = self.raft.get()?;
+        let m = raft.metrics().borrow().clone();
+        let id = m.current_leader?;
+        let info = m.membership_config.membership().get_node(&id).cloned()?;
+        Some((id, info))
+    }
+}
+
+/// The cluster id: a hash of the sorted initial member list, so that nodes started with
+/// different lists never form one group (their handshake refuses).
+pub fn cluster_id(peers: &BTreeMap<u64, String>) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for (id, addr) in peers {
+        h.update(format!("{id}={addr};").as_bytes());
+    }
+    let d = h.finalize();
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Start Raft for `shared` (a cluster node's state, `Shared::open`): the log store in
+/// `<data-dir>/raft`, the transport on `--raft-listen`, the state machine, the proposer and
+/// the leadership watcher. Forms the cluster on a first start.
+pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let rep = shared
+        .replication
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("not a cluster node"))?;
+    let cfg = shared
+        .config
+        .cluster
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("not a cluster node"))?;
+    let dir = shared.config.data_dir.join("raft");
+    let fresh_log = !dir.exists();
+    let log = log_store::LogStore::open(&dir)
+        .with_context(|| format!("opening the Raft log in {}", dir.display()))?;
+    let _ = rep.log.set(log.clone());
+    let sm = sm::StateMachine::new(shared.clone(), rep.clone())?;
+    let config = openraft::Config {
+        cluster_name: rep.cluster_id.clone(),
+        heartbeat_interval: 50,
+        election_timeout_min: 150,
+        election_timeout_max: 300,
+        install_snapshot_timeout: 5000,
+        max_payload_entries: 64,
+        snapshot_policy: openraft::SnapshotPolicy::Never,
+        ..Default::default()
+    }
+    .validate()
+    .context("the Raft settings")?;
+    let listener = tokio::net::TcpListener::bind(cfg.raft_listen)
+        .await
+        .with_context(|| format!("binding --raft-listen {}", cfg.raft_listen))?;
+    let network = net::NetworkFactory::new(rep.cluster_id.clone(), rep.me);
+    let raft = Raft::new(rep.me, Arc::new(config), network, log.clone(), sm)
+        .await
+        .context("starting Raft")?;
+    let _ = rep.raft.set(raft.clone());
+    tokio::spawn(net::serve(
+        listener,
+        raft.clone(),
+        rep.cluster_id.clone(),
+        rep.me,
+    ));
+    info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
+    if fresh_log && !raft.is_initialized().await.unwrap_or(false) {
+        // Every node started with the same list initializes with the same membership: the
+        // first that wins an election leads, the others' attempts fail harmlessly.
+        let members: BTreeMap<NodeId, NodeInfo> = cfg
+            .peers
+            .iter()
+            .map(|(id, addr)| {
+                // Only what every node knows alike: the initial membership entry must be the
+                // same on all of them (it has the same log id everywhere). Each leader adds
+                // its own AMQP and HTTP addresses once it serves (`announce`).
+                let info = NodeInfo {
+                    raft: addr.clone(),
+                    ..Default::default()
+                };
+                (*id, info)
+            })
+            .collect();
+        match raft.initialize(members).await {
+            Ok(()) => info!("cluster formed from --peers"),
+            Err(e) => info!(error = %e, "cluster already forming"),
+        }
+    }
+    tokio::spawn(propose(shared.clone(), rep.clone(), raft.clone()));
+    tokio::spawn(watch_leadership(shared, rep, raft));
+    Ok(())
+}
+
+/// Proposals in flight at once: while one is being fsynced and replicated, the next gathers
+/// everything that arrives (openraft 0.9 fsyncs each entry on its own).
+const IN_FLIGHT: usize = 2;
+
+async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    loop {
+        rep.wake.notified().await;
+        loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                return;
+            };
+            let (ops, ticket, clock_ms) = {
+                let mut p = rep.state.lock();
+                if !p.unproposed || p.leading.is_none() {
+                    break;
+                }
+                p.unproposed = false;
+                (std::mem::take(&mut p.ops), p.ticket, p.clock_ms)
+            };
+            let ops = match warren_storage::op_codec::encode_ops(&ops) {
+                Ok(b) => b,
+                Err(e) => {
+                    error!(error = %e, "a change cannot be encoded for the log; stepping down");
+                    rep.state.lock().diverged = true;
+                    continue;
+                }
+            };
+            let batch = Batch {
+                proposer: rep.proposer,
+                ticket,
+                clock_ms,
+                ops,
+            };
+            match raft.client_write_ff(batch).await {
+                Ok(rx) => {
+                    let rep = rep.clone();
+                    tokio::spawn(async move {
+                        match rx.await {
+                            Ok(Ok(_)) => {}
+                            Ok(Err(e)) => warn!(error = %e, "a proposal was not committed here"),
+                            Err(_) => warn!("a proposal was dropped"),
+                        }
+                        drop(slot);
+                        drop(rep);
+                    });
+                }
+                Err(e) => {
+                    error!(error = %e, "Raft stopped");
+                    return;
+                }
+            }
+        }
+        let _ = &shared;
+    }
+}
+
+/// Watch openraft's metrics: promote this node when its term's first entry is applied,
+/// demote it when it stops leading (or the state machine saw a divergence).
+async fn watch_leadership(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
+    let mut metrics = raft.metrics();
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
+    loop {
+        let m = metrics.borrow_and_update().clone();
+        let serving = (m.state == openraft::ServerState::Leader
+            && m.current_leader == Some(rep.me)
+            && m.vote.is_committed())
+        .then(|| *m.vote.leader_id())
+        .filter(|lid| m.last_applied.is_some_and(|l| l.leader_id == *lid));
+        let (leading, diverged) = {
+            let p = rep.state.lock();
+            (p.leading, p.diverged)
+        };
+        if leading.is_some() && (leading != serving || diverged) {
+            demote(&shared, &rep, "this node stopped leading");
+        } else if leading.is_none() && serving.is_some() {
+            promote(&shared, &rep, serving);
+        }
+        tokio::select! {
+            r = metrics.changed() => if r.is_err() { return },
+            _ = tick.tick() => {}
+        }
+    }
+}
+
+fn promote(
+    shared: &Arc<Shared>,
+    rep: &Replication,
+    lid: Option<openraft::CommittedLeaderId<NodeId>>,
+) {
+    let mut broker = shared.lock();
+    {
+        let mut p = rep.state.lock();
+        p.leading = lid;
+        p.diverged = false;
+    }
+    rep.leader.store(true, Ordering::Release);
+    broker.record_ops();
+    // Deliveries are the leader's own: after a failover any message may have been delivered
+    // by the previous leader, so every one is redelivered=true (false keeps meaning never
+    // delivered).
+    broker.mark_recovered();
+    broker.set_clock(crate::clock::now_ms());
+    let mut fx = Vec::new();
+    for op in crate::node::default_users(&broker, &shared.config) {
+        if let Err(e) = broker.apply(&op, &mut fx) {
+            error!(error = %e.text, "creating the default user");
+        }
+    }
+    info!(node_id = rep.me, leader = ?lid, "leading: serving clients");
+    announce(rep);
+    // The guard's drop parks the default users' journal for the first entry.
+}
+
+/// Put this node's addresses in the membership when they are not there yet (followers hand
+/// clients to the leader's AMQP address from it). The Raft address is unchanged, so replacing
+/// the node's data is safe (openraft's SetNodes caveat is about moving a node).
+fn announce(rep: &Replication) {
+    let Some(raft) = rep.raft.get().cloned() else {
+        return;
+    };
+    let current = raft
+        .metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .get_node(&rep.me)
+        .cloned();
+    if current.as_ref() == Some(&rep.info) {
+        return;
+    }
+    let nodes = BTreeMap::from([(rep.me, rep.info.clone())]);
+    tokio::spawn(async move {
+        if let Err(e) = raft
+            .change_membership(openraft::ChangeMembers::SetNodes(nodes), true)
+            .await
+        {
+            warn!(error = %e, "publishing this node's addresses in the membership failed");
+        }
+    });
+}
+
+/// Stop serving as leader: fail what waits for an entry (it may or may not commit; either
+/// way nobody is told it did), close the clients, and rebuild the broker from the store.
+pub fn demote(shared: &Arc<Shared>, rep: &Replication, why: &str) {
+    // The broker lock first (as everywhere): no command runs between the end of leading and
+    // the rebuild.
+    let mut broker = shared.broker.lock();
+    let parked: Vec<Part> = {
+        let mut p = rep.state.lock();
+        if p.leading.is_none() {
+            return;
+        }
+        p.leading = None;
+        p.diverged = false;
+        p.ops.clear();
+        p.unproposed = false;
+        p.fifo.drain(..).collect()
+    };
+    rep.leader.store(false, Ordering::Release);
+    warn!(
+        node_id = rep.me,
+        reason = why,
+        unconfirmed = parked.len(),
+        "no longer leading: closing client connections"
+    );
+    for part in parked {
+        if let Some(n) = part.notify {
+            let _ = n.send(Done {
+                ticket: part.ticket,
+                ok: false,
+            });
+        }
+    }
+    for c in shared.registry.list() {
+        c.close(format!("leader changed: node {} no longer leads", rep.me));
+    }
+    if let Err(e) = shared.rebuild_broker(&mut broker) {
+        error!(error = %e, "rebuilding the broker from the store failed; stopping");
+        std::process::exit(1);
+    }
+}

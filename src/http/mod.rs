@@ -10,6 +10,7 @@
 //! Each resource (RabbitMQ's path under `/api/`) has its own file.
 
 mod bindings;
+mod cluster;
 mod connections;
 mod exchanges;
 mod json;
@@ -120,13 +121,49 @@ fn router(shared: Arc<Shared>) -> Router {
         )
         .route_layer(axum::middleware::from_fn_with_state(
             shared.clone(),
+            leader_only_changes,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
             require_login,
         ))
+        // The cluster's state answers without a login, like a health check: load balancers
+        // and scripts find the leader with it.
+        .route("/api/cluster", get(cluster::cluster))
         .fallback(|| async { not_found() })
         // A defect in a handler answers 500 and leaves the server serving (without this the
         // client got an empty reply).
         .layer(tower_http::catch_panic::CatchPanicLayer::new())
         .with_state(shared)
+}
+
+/// On a cluster node that does not lead, a change through the API would be a change the
+/// cluster never agreed on: it is refused with 503 naming the leader's management address
+/// (reads answer from this node's replicated state).
+async fn leader_only_changes(
+    State(shared): Api,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if req.method() != axum::http::Method::GET && !shared.serves_clients() {
+        let leader = shared
+            .replication
+            .as_ref()
+            .and_then(|r| r.leader_info())
+            .map(|(id, n)| format!("node {id} at http://{}", n.http));
+        let reason = match leader {
+            Some(l) => {
+                format!("this node does not lead the cluster; send changes to the leader, {l}")
+            }
+            None => "this node does not lead the cluster and no leader is known yet".into(),
+        };
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"error": "not_leader", "reason": reason})),
+        )
+            .into_response();
+    }
+    next.run(req).await
 }
 
 type Api = State<Arc<Shared>>;

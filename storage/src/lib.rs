@@ -110,6 +110,14 @@ pub trait Store: Send + Sync {
     /// [`Op::Spill`] is written without the write-ahead log.
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError>;
 
+    /// `write`, and in the same atomic write the position `applied` (opaque bytes: the
+    /// cluster's last applied log entry), which [`Store::applied`] returns from then on. A
+    /// replicated node's store then never holds a change without the position that covers it.
+    fn write_applied(&self, ops: &[Op], applied: &[u8], sync: bool) -> Result<(), StoreError>;
+
+    /// The position last written by [`Store::write_applied`] (None: never).
+    fn applied(&self) -> Result<Option<Vec<u8>>, StoreError>;
+
     /// The stored definitions and a summary of each queue's messages. Transient messages
     /// spilled by the previous run are deleted.
     fn recover(&self) -> Result<Recovered, StoreError>;
@@ -148,6 +156,14 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
         (**self).write(ops, sync)
     }
 
+    fn write_applied(&self, ops: &[Op], applied: &[u8], sync: bool) -> Result<(), StoreError> {
+        (**self).write_applied(ops, applied, sync)
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        (**self).applied()
+    }
+
     fn recover(&self) -> Result<Recovered, StoreError> {
         (**self).recover()
     }
@@ -177,6 +193,14 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
 impl<T: Store + ?Sized> Store for Box<T> {
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
         (**self).write(ops, sync)
+    }
+
+    fn write_applied(&self, ops: &[Op], applied: &[u8], sync: bool) -> Result<(), StoreError> {
+        (**self).write_applied(ops, applied, sync)
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        (**self).applied()
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {

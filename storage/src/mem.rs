@@ -15,6 +15,8 @@ struct State {
     users: BTreeMap<String, UserRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
+    /// `Store::write_applied`'s position.
+    applied: Option<Vec<u8>>,
 }
 
 #[derive(Debug, Default)]
@@ -32,8 +34,13 @@ fn key(vhost: &str, name: &str) -> (String, String) {
     (vhost.to_string(), name.to_string())
 }
 
-impl Store for MemStore {
-    fn write(&self, ops: &[Op], _sync: bool) -> Result<(), StoreError> {
+impl MemStore {
+    fn write_locked(
+        &self,
+        ops: &[Op],
+        _sync: bool,
+        applied: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
         let mut s = self
             .state
             .lock()
@@ -189,7 +196,30 @@ impl Store for MemStore {
                 }
             }
         }
+        if let Some(a) = applied {
+            s.applied = Some(a.to_vec());
+        }
         Ok(())
+    }
+}
+
+impl Store for MemStore {
+    fn write_applied(&self, ops: &[Op], applied: &[u8], sync: bool) -> Result<(), StoreError> {
+        // One lock for both, so a reader never sees the ops without the position.
+        self.write_locked(ops, sync, Some(applied))
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self
+            .state
+            .lock()
+            .map_err(|_| StoreError::Io("store lock poisoned".into()))?
+            .applied
+            .clone())
+    }
+
+    fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
+        self.write_locked(ops, sync, None)
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {

@@ -88,6 +88,31 @@ pub fn conformance(open: &dyn Fn() -> Box<dyn Store>) {
     messages_survive_in_order(open);
     levels_spills_and_ranges(open);
     users_survive(open);
+    applied_position_survives(open);
+}
+
+/// `write_applied` keeps the latest position with its ops; a plain write leaves it as it was;
+/// the position is not a definition.
+fn applied_position_survives(open: &dyn Fn() -> Box<dyn Store>) {
+    let s = open();
+    assert_eq!(s.applied().unwrap(), None);
+    s.write_applied(&[queue("aq")], b"one", false).unwrap();
+    s.write_applied(&[enqueue(&["aq"], 1, "m")], b"two", true)
+        .unwrap();
+    s.write(&[enqueue(&["aq"], 2, "n")], true).unwrap();
+    drop(s);
+    let s = open();
+    assert_eq!(s.applied().unwrap().as_deref(), Some(&b"two"[..]));
+    assert_eq!(messages(&*s, "aq").len(), 2);
+    let ops = s.recover().unwrap().ops;
+    assert!(ops.iter().all(|op| !matches!(op, Op::PutUser { .. })));
+    assert_eq!(
+        count(&ops, |op| matches!(op, Op::DeclareQueue { .. })),
+        1 + count(
+            &ops,
+            |op| matches!(op, Op::DeclareQueue { name, .. } if name != "aq")
+        )
+    );
 }
 
 /// Users come back first (before any definition), the latest `PutUser` of a name winning.

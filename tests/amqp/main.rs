@@ -6,6 +6,7 @@ mod common;
 
 mod basic;
 mod channel;
+mod cluster;
 mod confirm_tx;
 mod connection;
 mod crash;

@@ -1,0 +1,62 @@
+//! A follower hands AMQP clients to the leader: bytes are copied both ways between the client
+//! and the leader's AMQP port, so any client library works unchanged. When the leader changes,
+//! the copy ends (the old leader closes its connections) and the client reconnects.
+
+use super::Replication;
+use crate::node::Shared;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tracing::{debug, info};
+
+/// How long a client waits for a leader to be known (an election under way) before it is
+/// served here after all (this node may be the one elected) or refused.
+const FIND_LEADER: Duration = Duration::from_secs(5);
+
+pub async fn serve(
+    mut client: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    rep: Arc<Replication>,
+    stop: watch::Receiver<bool>,
+) {
+    let deadline = tokio::time::Instant::now() + FIND_LEADER;
+    let leader = loop {
+        if rep.is_leader() {
+            // Elected meanwhile: serve the client here.
+            return crate::conn::serve(client, peer, shared, stop).await;
+        }
+        if let Some((id, info)) = rep
+            .leader_info()
+            .filter(|(id, i)| *id != rep.me && !i.amqp.is_empty())
+        {
+            break Some((id, info));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let Some((id, info)) = leader else {
+        // No leader: the normal connection path refuses it with 320 and the reason.
+        return crate::conn::serve(client, peer, shared, stop).await;
+    };
+    let mut upstream = match TcpStream::connect(&info.amqp).await {
+        Ok(s) => s,
+        Err(e) => {
+            info!(leader = id, addr = %info.amqp, error = %e, "the leader's AMQP port is unreachable");
+            return crate::conn::serve(client, peer, shared, stop).await;
+        }
+    };
+    let _ = upstream.set_nodelay(true);
+    debug!(leader = id, addr = %info.amqp, "proxying a client to the leader");
+    let mut stop = stop;
+    tokio::select! {
+        r = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {
+            debug!(result = ?r, "proxied connection ended");
+        }
+        _ = stop.changed() => {}
+    }
+}

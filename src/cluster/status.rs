@@ -1,0 +1,95 @@
+//! What a node says of the cluster (`GET /api/cluster`, `GET /api/nodes`, connection.start's
+//! server properties, `warren ctl cluster status`): one struct built from openraft's metrics
+//! and the log store's commit counter.
+
+use super::types::NodeId;
+use super::Replication;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub node_id: NodeId,
+    /// leader, follower, candidate, learner, or stopped.
+    pub role: String,
+    pub term: u64,
+    pub leader_id: Option<NodeId>,
+    /// Whether this node serves clients (the leader, once its term's first entry is applied).
+    pub serving: bool,
+    pub commit_index: Option<u64>,
+    pub applied_index: Option<u64>,
+    pub last_log_index: Option<u64>,
+    /// Milliseconds since a majority last acknowledged this leader (leader only).
+    pub millis_since_quorum_ack: Option<u64>,
+    pub nodes: Vec<NodeStatus>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub id: NodeId,
+    pub raft: String,
+    pub amqp: String,
+    pub http: String,
+    /// voter or learner.
+    pub membership: String,
+    /// On the leader: the last index known to be replicated to that node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub matched_index: Option<u64>,
+    /// On the leader: how many entries that node is behind the leader's log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lag: Option<u64>,
+}
+
+/// The node's view of the cluster now (None before Raft runs).
+pub fn status(rep: &Replication) -> Option<ClusterStatus> {
+    let raft = rep.raft.get()?;
+    let m = raft.metrics().borrow().clone();
+    let role = match m.state {
+        openraft::ServerState::Leader => "leader",
+        openraft::ServerState::Follower => "follower",
+        openraft::ServerState::Candidate => "candidate",
+        openraft::ServerState::Learner => "learner",
+        openraft::ServerState::Shutdown => "stopped",
+    };
+    let membership = m.membership_config.membership();
+    let voters: std::collections::BTreeSet<NodeId> = membership.voter_ids().collect();
+    let nodes = membership
+        .nodes()
+        .map(|(id, info)| {
+            let matched = m
+                .replication
+                .as_ref()
+                .map(|r| r.get(id).copied().flatten().map(|l| l.index))
+                .map(|mi| if *id == rep.me { m.last_log_index } else { mi });
+            NodeStatus {
+                id: *id,
+                raft: info.raft.clone(),
+                amqp: info.amqp.clone(),
+                http: info.http.clone(),
+                membership: if voters.contains(id) {
+                    "voter"
+                } else {
+                    "learner"
+                }
+                .into(),
+                matched_index: matched.flatten(),
+                lag: matched.map(|mi| {
+                    m.last_log_index
+                        .unwrap_or(0)
+                        .saturating_sub(mi.unwrap_or(0))
+                }),
+            }
+        })
+        .collect();
+    Some(ClusterStatus {
+        node_id: rep.me,
+        role: role.into(),
+        term: m.current_term,
+        leader_id: m.current_leader,
+        serving: rep.is_leader(),
+        commit_index: rep.log.get().and_then(|l| l.committed_index()),
+        applied_index: m.last_applied.map(|l| l.index),
+        last_log_index: m.last_log_index,
+        millis_since_quorum_ack: m.millis_since_quorum_ack,
+        nodes,
+    })
+}

@@ -1,0 +1,345 @@
+//! The replicated cluster (issue 15), with real `warren` processes on loopback: three nodes
+//! started with the same `--peers` form one cluster, confirmed messages are on every node,
+//! a follower hands clients to the leader, and SIGKILL of the leader loses nothing confirmed.
+
+use super::common::WAIT;
+use futures::StreamExt;
+use lapin::options::*;
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Node {
+    pub id: u64,
+    pub amqp: u16,
+    pub http: u16,
+    pub raft: u16,
+    pub child: Option<std::process::Child>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+impl Node {
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp)
+    }
+
+    /// `GET /api/cluster` on this node (None while it does not answer).
+    pub fn status(&self) -> Option<serde_json::Value> {
+        let mut r = ureq::get(&format!("http://127.0.0.1:{}/api/cluster", self.http))
+            .call()
+            .ok()?;
+        serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+    }
+
+    /// `GET path` on this node's management API as guest.
+    pub fn get(&self, path: &str) -> Option<serde_json::Value> {
+        let mut r = ureq::get(&format!("http://127.0.0.1:{}{path}", self.http))
+            .header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")
+            .call()
+            .ok()?;
+        serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+    }
+}
+
+pub struct Cluster {
+    pub nodes: Vec<Node>,
+    pub dir: tempfile::TempDir,
+    peers: String,
+}
+
+impl Cluster {
+    /// `n` nodes on free loopback ports, each with its own data folder.
+    pub fn start(n: u64) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let mut nodes: Vec<Node> = (1..=n)
+            .map(|id| Node {
+                id,
+                amqp: free_port(),
+                http: free_port(),
+                raft: free_port(),
+                child: None,
+            })
+            .collect();
+        let peers = nodes
+            .iter()
+            .map(|n| format!("{}=127.0.0.1:{}", n.id, n.raft))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut c = Cluster {
+            nodes: Vec::new(),
+            dir,
+            peers,
+        };
+        for node in nodes.iter_mut() {
+            c.spawn(node);
+        }
+        c.nodes = nodes;
+        c
+    }
+
+    fn spawn(&self, node: &mut Node) {
+        let data = self.dir.path().join(format!("n{}", node.id));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+            .args(["server", "--node-id", &node.id.to_string()])
+            .args(["--raft-listen", &format!("127.0.0.1:{}", node.raft)])
+            .args(["--peers", &self.peers])
+            .args(["--amqp-listen", &format!("127.0.0.1:{}", node.amqp)])
+            .args(["--management-listen", &format!("127.0.0.1:{}", node.http)])
+            .arg("--data-dir")
+            .arg(&data)
+            .env("WARREN_LOG", "warn,openraft=error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("start warren");
+        node.child = Some(child);
+    }
+
+    pub fn restart(&mut self, i: usize) {
+        let mut node = std::mem::replace(
+            &mut self.nodes[i],
+            Node {
+                id: 0,
+                amqp: 0,
+                http: 0,
+                raft: 0,
+                child: None,
+            },
+        );
+        node.kill();
+        self.spawn(&mut node);
+        self.nodes[i] = node;
+    }
+
+    /// The index of the node that serves as leader, once the live nodes agree on one and it
+    /// serves; panics after `within`.
+    pub async fn leader(&self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            let live: Vec<(usize, serde_json::Value)> = self
+                .nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| n.child.is_some())
+                .filter_map(|(i, n)| n.status().map(|s| (i, s)))
+                .collect();
+            let serving: Vec<usize> = live
+                .iter()
+                .filter(|(_, s)| s["serving"] == true)
+                .map(|(i, _)| *i)
+                .collect();
+            if let [i] = serving[..] {
+                let id = self.nodes[i].id;
+                let agreed = live
+                    .iter()
+                    .all(|(_, s)| s["leader_id"].as_u64() == Some(id));
+                // Followers hand clients to the address the leader put in the membership.
+                let announced = live.iter().all(|(_, s)| {
+                    s["nodes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|n| n["id"].as_u64() == Some(id) && n["amqp"] != "")
+                });
+                if agreed && announced && live.len() * 2 > self.nodes.len() {
+                    return i;
+                }
+            }
+            assert!(Instant::now() < deadline, "no leader: {live:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+async fn connect(url: &str) -> Connection {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match Connection::connect(url, ConnectionProperties::default()).await {
+            Ok(c) => return c,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "connect {url}: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut pending = Vec::new();
+    for i in from..from + n {
+        pending.push(
+            ch.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                i.to_string().as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for p in pending {
+        assert!(p.await.unwrap().is_ack());
+    }
+}
+
+async fn declare(conn: &Connection, queue: &str) {
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+}
+
+/// Messages of `queue` on every live node's management API equal `n`, within `within`.
+async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
+    let deadline = Instant::now() + within;
+    for node in c.nodes.iter().filter(|n| n.child.is_some()) {
+        loop {
+            let count = node
+                .get(&format!("/api/queues/%2f/{queue}"))
+                .and_then(|q| q["messages"].as_u64());
+            if count == Some(n) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "node {} holds {count:?} messages of {queue}, not {n}",
+                node.id
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_replicate_and_a_killed_leader_loses_no_confirmed_message() {
+    let mut c = Cluster::start(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let follower = (leader + 1) % 3;
+    // Every node reports the same group: three voters with their Raft addresses.
+    for node in &c.nodes {
+        let s = node.status().unwrap();
+        assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
+        assert!(s["term"].as_u64().unwrap() >= 1);
+        let role = s["role"].as_str().unwrap();
+        assert_eq!(role == "leader", node.id == c.nodes[leader].id, "{s}");
+    }
+
+    // Through a follower: it hands the client to the leader.
+    let conn = connect(&c.nodes[follower].url()).await;
+    declare(&conn, "orders").await;
+    publish_confirmed(&conn, "orders", 0, 2000).await;
+    replicated(&c, "orders", 2000, WAIT).await;
+    let s = c.nodes[leader].status().unwrap();
+    assert!(s["commit_index"].as_u64().unwrap() >= 3, "{s}");
+    for n in s["nodes"].as_array().unwrap() {
+        assert_eq!(n["lag"].as_u64(), Some(0), "{s}");
+    }
+
+    // 100 delivered and not acknowledged when the leader dies.
+    let ch = conn.create_channel().await.unwrap();
+    ch.basic_qos(100, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "orders".into(),
+            "c1".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut delivered = std::collections::BTreeSet::new();
+    while delivered.len() < 100 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(!d.redelivered);
+        delivered.insert(String::from_utf8(d.data).unwrap());
+    }
+
+    let killed = Instant::now();
+    c.nodes[leader].kill();
+    drop(conn);
+    let new_leader = c.leader(Duration::from_secs(10)).await;
+    assert_ne!(new_leader, leader);
+    // A confirm on the new leader.
+    let conn = connect(&c.nodes[new_leader].url()).await;
+    publish_confirmed(&conn, "orders", 2000, 1).await;
+    let failover = killed.elapsed();
+    eprintln!("failover: first confirm on the new leader {failover:?} after SIGKILL");
+
+    // Every confirmed message is there, once; the ones delivered before come back
+    // redelivered.
+    let ch = conn.create_channel().await.unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    loop {
+        let Some(m) = ch
+            .basic_get("orders".into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+        else {
+            break;
+        };
+        let body = String::from_utf8(m.delivery.data.clone()).unwrap();
+        if delivered.contains(&body) {
+            assert!(m.delivery.redelivered, "{body} was delivered before");
+        }
+        assert!(seen.insert(body.clone()), "{body} twice");
+    }
+    assert_eq!(seen.len(), 2001);
+
+    // The old leader comes back as a follower and catches up from the log.
+    c.restart(leader);
+    let back = c.leader(Duration::from_secs(10)).await;
+    assert_eq!(back, new_leader);
+    replicated(&c, "orders", 0, Duration::from_secs(10)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let l = c.nodes[new_leader].status().unwrap();
+        let f = c.nodes[leader].status();
+        if let Some(f) = f {
+            if f["role"] == "follower" && f["applied_index"] == l["applied_index"] {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted node did not catch up"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
