@@ -421,6 +421,13 @@ impl Shared {
         if fx.is_empty() {
             return;
         }
+        if let Some(rep) = &self.replication {
+            if !rep.lease_valid() {
+                // A leader past its lease may be deposed already: it delivers nothing (what
+                // it decided stays unacknowledged and comes back from the next leader).
+                fx.retain(|e| !matches!(e, Effect::Deliver { .. }));
+            }
+        }
         let outboxes = self.outboxes.read();
         let mut last: Option<(ConnId, &Arc<Outbox>)> = None;
         for e in fx.drain(..) {

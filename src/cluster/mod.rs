@@ -28,7 +28,7 @@ pub mod types;
 use crate::commit::{Done, Part};
 use crate::node::Shared;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use tracing::{error, info, warn};
 use types::{Batch, NodeId, NodeInfo, Raft};
@@ -68,6 +68,11 @@ pub struct Replication {
     pub info: NodeInfo,
     pub cluster_id: String,
     pub log: OnceLock<log_store::LogStore>,
+    /// The leader's lease: until this instant (ms since `epoch`, a monotonic clock, so a jump
+    /// of the wall clock changes nothing) a majority acknowledged it recently enough that no
+    /// other leader can exist. Past it, nothing is delivered and the node steps down.
+    lease_until: AtomicU64,
+    epoch: std::time::Instant,
 }
 
 impl std::fmt::Debug for Replication {
@@ -91,7 +96,19 @@ impl Replication {
             info,
             cluster_id,
             log: OnceLock::new(),
+            lease_until: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
         }
+    }
+
+    fn mono_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// Whether this leader may still deliver: a majority acknowledged it within the lease.
+    /// (Confirms need no lease: they wait for a commit, which a deposed leader never gets.)
+    pub fn lease_valid(&self) -> bool {
+        self.mono_ms() < self.lease_until.load(Ordering::Acquire)
     }
 
     /// Whether this node serves clients now (the leader, its term's first entry applied).
@@ -176,15 +193,17 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding --raft-listen {}", cfg.raft_listen))?;
     let network = net::NetworkFactory::new(rep.cluster_id.clone(), rep.me);
+    let learned = network.learned();
     let raft = Raft::new(rep.me, Arc::new(config), network, log.clone(), sm)
         .await
         .context("starting Raft")?;
     let _ = rep.raft.set(raft.clone());
-    tokio::spawn(net::serve(
+    tokio::spawn(net::serve_as(
         listener,
         raft.clone(),
         rep.cluster_id.clone(),
         rep.me,
+        Some(rep.info.clone()),
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
     if fresh_log && !raft.is_initialized().await.unwrap_or(false) {
@@ -210,9 +229,16 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         }
     }
     tokio::spawn(propose(shared.clone(), rep.clone(), raft.clone()));
-    tokio::spawn(watch_leadership(shared, rep, raft));
+    tokio::spawn(watch_leadership(shared, rep, raft, learned));
     Ok(())
 }
+
+/// How long a leader goes on after a majority last acknowledged it. Followers elect no one
+/// before the election timeout (150-300 ms) past their leader's last heartbeat, and openraft
+/// makes them refuse votes within `election_timeout_max` of it: a lease shorter than that
+/// ends before another leader can exist.
+const LEASE_MS: u64 = 300;
+const LEASE_TICK_MS: u64 = 25;
 
 /// Proposals in flight at once: while one is being fsynced and replicated, the next gathers
 /// everything that arrives (openraft 0.9 fsyncs each entry on its own).
@@ -273,11 +299,34 @@ async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
 
 /// Watch openraft's metrics: promote this node when its term's first entry is applied,
 /// demote it when it stops leading (or the state machine saw a divergence).
-async fn watch_leadership(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
+async fn watch_leadership(
+    shared: Arc<Shared>,
+    rep: Arc<Replication>,
+    raft: Raft,
+    learned: net::Learned,
+) {
+    let updating = Arc::new(AtomicBool::new(false));
     let mut metrics = raft.metrics();
-    let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(LEASE_TICK_MS));
+    let mut lapsed = false;
+    let mut fresh = true;
     loop {
         let m = metrics.borrow_and_update().clone();
+        if let (Some(since), true) = (m.millis_since_quorum_ack, fresh) {
+            // Metrics come when something changes: a leader cut off from its followers
+            // stops hearing, so its last figure ages from when it was seen (now).
+            let until = rep.mono_ms().saturating_sub(since) + LEASE_MS;
+            rep.lease_until.store(until, Ordering::Release);
+        }
+        let expired = rep.is_leader() && !rep.lease_valid();
+        if expired && !lapsed {
+            warn!(
+                node_id = rep.me,
+                lease_ms = LEASE_MS,
+                "no majority acknowledged this leader within its lease: stepping down"
+            );
+        }
+        lapsed = expired;
         let serving = (m.state == openraft::ServerState::Leader
             && m.current_leader == Some(rep.me)
             && m.vote.is_committed())
@@ -287,14 +336,29 @@ async fn watch_leadership(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft
             let p = rep.state.lock();
             (p.leading, p.diverged)
         };
-        if leading.is_some() && (leading != serving || diverged) {
-            demote(&shared, &rep, "this node stopped leading");
-        } else if leading.is_none() && serving.is_some() {
+        if leading.is_some() && (leading != serving || diverged || expired) {
+            let why = if expired {
+                "its lease expired (no majority heard from)"
+            } else {
+                "this node stopped leading"
+            };
+            demote(&shared, &rep, why);
+        } else if leading.is_some() && !updating.load(Ordering::Acquire) {
+            update_addresses(&rep, &raft, &m, &learned, &updating);
+        } else if leading.is_none()
+            && serving.is_some()
+            && m.millis_since_quorum_ack.is_some_and(|ms| ms < LEASE_MS)
+        {
             promote(&shared, &rep, serving);
         }
         tokio::select! {
-            r = metrics.changed() => if r.is_err() { return },
-            _ = tick.tick() => {}
+            r = metrics.changed() => {
+                if r.is_err() {
+                    return;
+                }
+                fresh = true;
+            }
+            _ = tick.tick() => fresh = false,
         }
     }
 }
@@ -324,35 +388,45 @@ fn promote(
         }
     }
     info!(node_id = rep.me, leader = ?lid, "leading: serving clients");
-    announce(rep);
     // The guard's drop parks the default users' journal for the first entry.
 }
 
-/// Put this node's addresses in the membership when they are not there yet (followers hand
-/// clients to the leader's AMQP address from it). The Raft address is unchanged, so replacing
-/// the node's data is safe (openraft's SetNodes caveat is about moving a node).
-fn announce(rep: &Replication) {
-    let Some(raft) = rep.raft.get().cloned() else {
-        return;
-    };
-    let current = raft
-        .metrics()
-        .borrow()
-        .membership_config
-        .membership()
-        .get_node(&rep.me)
-        .cloned();
-    if current.as_ref() == Some(&rep.info) {
+/// On the leader: put the addresses its followers gave in their handshake answers (and its
+/// own) in the membership where it holds others, one change at a time. Only the addresses
+/// clients use change: the Raft address is the node's identity here, so replacing its data is
+/// safe (openraft's SetNodes caveat is about moving a node).
+fn update_addresses(
+    rep: &Replication,
+    raft: &Raft,
+    m: &openraft::RaftMetrics<NodeId, NodeInfo>,
+    learned: &net::Learned,
+    updating: &Arc<AtomicBool>,
+) {
+    let membership = m.membership_config.membership();
+    let mut changed: BTreeMap<NodeId, NodeInfo> = BTreeMap::new();
+    let mut known = learned.lock().clone();
+    known.insert(rep.me, rep.info.clone());
+    for (id, info) in known {
+        match membership.get_node(&id) {
+            Some(current) if current.raft == info.raft && *current != info => {
+                changed.insert(id, info);
+            }
+            _ => {}
+        }
+    }
+    if changed.is_empty() {
         return;
     }
-    let nodes = BTreeMap::from([(rep.me, rep.info.clone())]);
+    updating.store(true, Ordering::Release);
+    let (raft, updating) = (raft.clone(), updating.clone());
     tokio::spawn(async move {
         if let Err(e) = raft
-            .change_membership(openraft::ChangeMembers::SetNodes(nodes), true)
+            .change_membership(openraft::ChangeMembers::SetNodes(changed), true)
             .await
         {
-            warn!(error = %e, "publishing this node's addresses in the membership failed");
+            warn!(error = %e, "putting the nodes' addresses in the membership failed");
         }
+        updating.store(false, Ordering::Release);
     });
 }
 

@@ -131,7 +131,11 @@ enum Request {
 /// What a server answers.
 #[derive(Debug, Serialize, Deserialize)]
 enum Response {
-    HelloOk,
+    /// The handshake is accepted; `info` is the answering node's addresses (the leader puts
+    /// its followers' in the membership from these).
+    HelloOk {
+        info: Option<NodeInfo>,
+    },
     Refused {
         reason: String,
     },
@@ -147,7 +151,7 @@ enum Response {
 impl Response {
     fn name(&self) -> &'static str {
         match self {
-            Response::HelloOk => "HelloOk",
+            Response::HelloOk { .. } => "HelloOk",
             Response::Refused { .. } => "Refused",
             Response::AppendEntries(_) => "AppendEntries",
             Response::Vote(_) => "Vote",
@@ -191,13 +195,25 @@ fn fatal_of(e: RaftError<NodeId>) -> Fatal<NodeId> {
 /// accepts, one task per connection. It runs until dropped (abort its task); dropping it also
 /// ends every connection it serves.
 pub async fn serve(listener: TcpListener, raft: Raft, cluster: String, me: NodeId) {
+    serve_as(listener, raft, cluster, me, None).await
+}
+
+/// [`serve`], answering each handshake with this node's addresses `info`.
+pub async fn serve_as(
+    listener: TcpListener,
+    raft: Raft,
+    cluster: String,
+    me: NodeId,
+    info: Option<NodeInfo>,
+) {
     let cluster: Arc<str> = cluster.into();
+    let info = Arc::new(info);
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    conns.spawn(serve_conn(stream, peer, raft.clone(), cluster.clone(), me));
+                    conns.spawn(serve_conn(stream, peer, raft.clone(), cluster.clone(), me, info.clone()));
                 }
                 Err(e) => {
                     warn!("raft: accepting a connection failed: {e}");
@@ -245,6 +261,7 @@ async fn serve_conn(
     raft: Raft,
     cluster: Arc<str>,
     me: NodeId,
+    info: Arc<Option<NodeInfo>>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         debug!("raft: set_nodelay on the connection from {peer}: {e}");
@@ -283,7 +300,9 @@ async fn serve_conn(
         }
     };
     let from = hello.from;
-    let ok = match encode(&Response::HelloOk) {
+    let ok = match encode(&Response::HelloOk {
+        info: (*info).clone(),
+    }) {
         Ok(ok) => ok,
         Err(e) => {
             warn!("raft: encoding HelloOk: {e}");
@@ -370,14 +389,24 @@ async fn serve_conn(
 pub struct NetworkFactory {
     cluster: String,
     me: NodeId,
+    learned: Learned,
 }
+
+/// The addresses peers gave in their handshake answers, by node id.
+pub type Learned = Arc<parking_lot::Mutex<std::collections::BTreeMap<NodeId, NodeInfo>>>;
 
 impl NetworkFactory {
     pub fn new(cluster: impl Into<String>, me: NodeId) -> NetworkFactory {
         NetworkFactory {
             cluster: cluster.into(),
             me,
+            learned: Default::default(),
         }
+    }
+
+    /// What peers said of themselves when this node connected to them.
+    pub fn learned(&self) -> Learned {
+        self.learned.clone()
     }
 }
 
@@ -392,6 +421,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             target,
             node: node.clone(),
             conn: None,
+            learned: self.learned.clone(),
         }
     }
 }
@@ -408,6 +438,7 @@ pub struct Network {
     /// next RPC never reads a stale response: it connects anew. (This is the in-flight flag,
     /// kept by ownership.)
     conn: Option<Conn>,
+    learned: Learned,
 }
 
 /// Why an exchange failed, before it is told in the error type of the RPC at hand.
@@ -423,7 +454,7 @@ enum CallError {
     /// The request encodes to more than a frame (its length).
     TooLarge(usize),
     /// The target's Raft failed the request.
-    Remote(Fatal<NodeId>),
+    Remote(Box<Fatal<NodeId>>),
 }
 
 fn io_error(context: impl std::fmt::Display, e: &io::Error) -> CallError {
@@ -451,7 +482,7 @@ fn encode_request(request: &Request) -> Result<Bytes, CallError> {
 }
 
 /// Connects to `addr` and says `hello`; a refusal is logged here (with the peer's reason).
-async fn connect(addr: &str, hello: &Hello) -> Result<Conn, CallError> {
+async fn connect(addr: &str, hello: &Hello) -> Result<(Conn, Option<NodeInfo>), CallError> {
     let target = hello.to;
     let unreachable = |what: String| CallError::Unreachable(AnyError::error(what));
     let stream = TcpStream::connect(addr)
@@ -467,7 +498,7 @@ async fn connect(addr: &str, hello: &Hello) -> Result<Conn, CallError> {
         .map_err(|e| unreachable(format!("handshake with node {target} at {addr}: {e}")))?;
     let reason = match conn.next().await {
         Some(Ok(frame)) => match postcard::from_bytes::<Response>(&frame) {
-            Ok(Response::HelloOk) => return Ok(conn),
+            Ok(Response::HelloOk { info }) => return Ok((conn, info)),
             Ok(Response::Refused { reason }) => reason,
             Ok(other) => format!("answered the handshake with {}", other.name()),
             Err(e) => format!("undecodable handshake answer ({e})"),
@@ -514,7 +545,13 @@ impl Network {
     /// A new connection to the target, by `deadline`.
     async fn open(&self, deadline: Instant, ttl: Duration) -> Result<Conn, CallError> {
         match timeout_at(deadline, connect(&self.node.raft, &self.hello())).await {
-            Ok(conn) => conn,
+            Ok(Ok((conn, info))) => {
+                if let Some(info) = info {
+                    self.learned.lock().insert(self.target, info);
+                }
+                Ok(conn)
+            }
+            Ok(Err(e)) => Err(e),
             Err(_) => Err(CallError::Unreachable(AnyError::error(format!(
                 "no connection to node {} at {} within {ttl:?}",
                 self.target, self.node.raft
@@ -540,7 +577,7 @@ impl Network {
     /// The error for a response that is not the one the request asks for.
     fn unexpected(&mut self, response: Response) -> CallError {
         match response {
-            Response::RaftError(fatal) => CallError::Remote(fatal),
+            Response::RaftError(fatal) => CallError::Remote(Box::new(fatal)),
             other => {
                 self.conn = None;
                 CallError::Network(AnyError::error(format!(
@@ -579,7 +616,7 @@ impl Network {
             CallError::Remote(fatal) => RPCError::RemoteError(RemoteError::new_with_node(
                 self.target,
                 self.node.clone(),
-                RaftError::Fatal(fatal),
+                RaftError::Fatal(*fatal),
             )),
         }
     }
@@ -600,7 +637,7 @@ impl Network {
             CallError::Remote(fatal) => StreamingError::RemoteError(RemoteError::new_with_node(
                 self.target,
                 self.node.clone(),
-                fatal,
+                *fatal,
             )),
         }
     }
@@ -694,7 +731,9 @@ impl RaftNetwork<TypeConfig> for Network {
         };
         match response {
             Ok(Response::Snapshot(resp)) => Ok(resp),
-            Ok(Response::RaftError(fatal)) => Err(self.streaming_error(CallError::Remote(fatal))),
+            Ok(Response::RaftError(fatal)) => {
+                Err(self.streaming_error(CallError::Remote(Box::new(fatal))))
+            }
             Ok(other) => Err(
                 self.streaming_error(CallError::Network(AnyError::error(format!(
                     "node {target} answered a snapshot with an unexpected {}",
@@ -709,5 +748,831 @@ impl RaftNetwork<TypeConfig> for Network {
         Backoff::new(std::iter::successors(Some(BACKOFF_FIRST), |d| {
             Some((*d * 2).min(BACKOFF_MAX))
         }))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::cluster::types::StoredMembership;
+    use crate::cluster::types::{Batch, Entry, LogId, Membership, SnapshotData, StorageError};
+    use bytes::BytesMut;
+    use openraft::storage::{LogFlushed, RaftLogStorage, RaftStateMachine};
+    use openraft::{
+        CommittedLeaderId, Config, EntryPayload, LogState, RaftLogReader, RaftSnapshotBuilder,
+        ServerState, StorageIOError,
+    };
+    use parking_lot::Mutex;
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::fmt::Debug;
+    use std::ops::RangeBounds;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_util::codec::Decoder;
+
+    /// The bound on every wait of these tests.
+    const WAIT: Duration = Duration::from_secs(10);
+
+    // --- A minimal in-memory log store and state machine --------------------------------------
+
+    #[derive(Default)]
+    struct LogInner {
+        log: BTreeMap<u64, Entry>,
+        vote: Option<Vote>,
+        committed: Option<LogId>,
+        purged: Option<LogId>,
+    }
+
+    #[derive(Clone, Default)]
+    struct MemLog(Arc<Mutex<LogInner>>);
+
+    impl RaftLogReader<TypeConfig> for MemLog {
+        async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
+            &mut self,
+            range: RB,
+        ) -> Result<Vec<Entry>, StorageError> {
+            Ok(self
+                .0
+                .lock()
+                .log
+                .range(range)
+                .map(|(_, e)| e.clone())
+                .collect())
+        }
+    }
+
+    impl RaftLogStorage<TypeConfig> for MemLog {
+        type LogReader = MemLog;
+
+        async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
+            let inner = self.0.lock();
+            let last = inner.log.values().next_back().map(|e| e.log_id);
+            Ok(LogState {
+                last_purged_log_id: inner.purged,
+                last_log_id: last.or(inner.purged),
+            })
+        }
+
+        async fn get_log_reader(&mut self) -> MemLog {
+            self.clone()
+        }
+
+        async fn save_vote(&mut self, vote: &Vote) -> Result<(), StorageError> {
+            self.0.lock().vote = Some(*vote);
+            Ok(())
+        }
+
+        async fn read_vote(&mut self) -> Result<Option<Vote>, StorageError> {
+            Ok(self.0.lock().vote)
+        }
+
+        async fn save_committed(&mut self, committed: Option<LogId>) -> Result<(), StorageError> {
+            self.0.lock().committed = committed;
+            Ok(())
+        }
+
+        async fn read_committed(&mut self) -> Result<Option<LogId>, StorageError> {
+            Ok(self.0.lock().committed)
+        }
+
+        async fn append<I>(
+            &mut self,
+            entries: I,
+            callback: LogFlushed<TypeConfig>,
+        ) -> Result<(), StorageError>
+        where
+            I: IntoIterator<Item = Entry> + OptionalSend,
+            I::IntoIter: OptionalSend,
+        {
+            {
+                let mut inner = self.0.lock();
+                for entry in entries {
+                    inner.log.insert(entry.log_id.index, entry);
+                }
+            }
+            callback.log_io_completed(Ok(()));
+            Ok(())
+        }
+
+        async fn truncate(&mut self, log_id: LogId) -> Result<(), StorageError> {
+            self.0.lock().log.split_off(&log_id.index);
+            Ok(())
+        }
+
+        async fn purge(&mut self, log_id: LogId) -> Result<(), StorageError> {
+            let mut inner = self.0.lock();
+            inner.log = inner.log.split_off(&(log_id.index + 1));
+            inner.purged = Some(log_id);
+            Ok(())
+        }
+    }
+
+    /// What the test state machine holds: the tickets of the batches applied, in order.
+    #[derive(Clone, Default, Serialize, Deserialize)]
+    struct SmState {
+        applied: Option<LogId>,
+        membership: StoredMembership,
+        tickets: Vec<u64>,
+    }
+
+    #[derive(Default)]
+    struct SmInner {
+        state: SmState,
+        snapshot: Option<(SnapshotMeta, Vec<u8>)>,
+        built: u64,
+        installed: u64,
+    }
+
+    #[derive(Clone, Default)]
+    struct MemSm(Arc<Mutex<SmInner>>);
+
+    impl MemSm {
+        fn tickets(&self) -> Vec<u64> {
+            self.0.lock().state.tickets.clone()
+        }
+
+        fn installed(&self) -> u64 {
+            self.0.lock().installed
+        }
+    }
+
+    fn sm_error(e: &serde_json::Error) -> StorageError {
+        StorageError::from(StorageIOError::read_state_machine(AnyError::new(e)))
+    }
+
+    impl RaftSnapshotBuilder<TypeConfig> for MemSm {
+        async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
+            let mut inner = self.0.lock();
+            let data = serde_json::to_vec(&inner.state).map_err(|e| sm_error(&e))?;
+            inner.built += 1;
+            let meta = SnapshotMeta {
+                last_log_id: inner.state.applied,
+                last_membership: inner.state.membership.clone(),
+                snapshot_id: format!(
+                    "{}-{}",
+                    inner.state.applied.map_or(0, |l| l.index),
+                    inner.built
+                ),
+            };
+            inner.snapshot = Some((meta.clone(), data.clone()));
+            Ok(Snapshot {
+                meta,
+                snapshot: Box::new(Cursor::new(data)),
+            })
+        }
+    }
+
+    impl RaftStateMachine<TypeConfig> for MemSm {
+        type SnapshotBuilder = MemSm;
+
+        async fn applied_state(
+            &mut self,
+        ) -> Result<(Option<LogId>, StoredMembership), StorageError> {
+            let inner = self.0.lock();
+            Ok((inner.state.applied, inner.state.membership.clone()))
+        }
+
+        async fn apply<I>(&mut self, entries: I) -> Result<Vec<()>, StorageError>
+        where
+            I: IntoIterator<Item = Entry> + OptionalSend,
+            I::IntoIter: OptionalSend,
+        {
+            let mut inner = self.0.lock();
+            let mut applied = 0;
+            for entry in entries {
+                inner.state.applied = Some(entry.log_id);
+                match entry.payload {
+                    EntryPayload::Blank => {}
+                    EntryPayload::Normal(batch) => inner.state.tickets.push(batch.ticket),
+                    EntryPayload::Membership(m) => {
+                        inner.state.membership = StoredMembership::new(Some(entry.log_id), m)
+                    }
+                }
+                applied += 1;
+            }
+            Ok(vec![(); applied])
+        }
+
+        async fn get_snapshot_builder(&mut self) -> MemSm {
+            self.clone()
+        }
+
+        async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
+            Ok(Box::new(Cursor::new(Vec::new())))
+        }
+
+        async fn install_snapshot(
+            &mut self,
+            meta: &SnapshotMeta,
+            snapshot: Box<SnapshotData>,
+        ) -> Result<(), StorageError> {
+            let data = snapshot.into_inner();
+            let state: SmState = serde_json::from_slice(&data).map_err(|e| sm_error(&e))?;
+            let mut inner = self.0.lock();
+            inner.state = state;
+            inner.snapshot = Some((meta.clone(), data));
+            inner.installed += 1;
+            Ok(())
+        }
+
+        async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
+            Ok(self
+                .0
+                .lock()
+                .snapshot
+                .as_ref()
+                .map(|(meta, data)| Snapshot {
+                    meta: meta.clone(),
+                    snapshot: Box::new(Cursor::new(data.clone())),
+                }))
+        }
+    }
+
+    // --- Nodes --------------------------------------------------------------------------------
+
+    struct TestNode {
+        id: NodeId,
+        raft: Raft,
+        node: NodeInfo,
+        sm: MemSm,
+        server: tokio::task::JoinHandle<()>,
+    }
+
+    impl Drop for TestNode {
+        fn drop(&mut self) {
+            self.server.abort();
+        }
+    }
+
+    fn config() -> Arc<Config> {
+        let config = Config {
+            cluster_name: "test".to_owned(),
+            heartbeat_interval: 50,
+            election_timeout_min: 150,
+            election_timeout_max: 300,
+            // openraft's 200 ms default covers the whole transfer and install.
+            install_snapshot_timeout: 5_000,
+            max_in_snapshot_log_to_keep: 0,
+            ..Default::default()
+        };
+        Arc::new(config.validate().unwrap())
+    }
+
+    /// A Raft node serving on a port of its own (not initialized).
+    async fn start_node(id: NodeId, cluster: &str) -> TestNode {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let node = NodeInfo {
+            raft: listener.local_addr().unwrap().to_string(),
+            ..Default::default()
+        };
+        let sm = MemSm::default();
+        let network = NetworkFactory::new(cluster, id);
+        let raft = Raft::new(id, config(), network, MemLog::default(), sm.clone())
+            .await
+            .unwrap();
+        let server = tokio::spawn(serve(listener, raft.clone(), cluster.to_owned(), id));
+        TestNode {
+            id,
+            raft,
+            node,
+            sm,
+            server,
+        }
+    }
+
+    /// Nodes 1, 2, 3, initialized (through node 1) as the voters of one cluster.
+    async fn start_cluster(cluster: &str) -> Vec<TestNode> {
+        let mut nodes = Vec::new();
+        for id in 1..=3 {
+            nodes.push(start_node(id, cluster).await);
+        }
+        let members: BTreeMap<NodeId, NodeInfo> =
+            nodes.iter().map(|n| (n.id, n.node.clone())).collect();
+        nodes[0].raft.initialize(members).await.unwrap();
+        nodes
+    }
+
+    /// Waits until exactly one node is leader and every node names it: its index in `nodes`.
+    async fn wait_leader(nodes: &[TestNode]) -> usize {
+        let found = timeout(WAIT, async {
+            loop {
+                let metrics: Vec<_> = nodes
+                    .iter()
+                    .map(|n| n.raft.metrics().borrow().clone())
+                    .collect();
+                let leaders: Vec<usize> = (0..nodes.len())
+                    .filter(|&i| metrics[i].state == ServerState::Leader)
+                    .collect();
+                if let [leader] = leaders[..] {
+                    let id = nodes[leader].id;
+                    if metrics.iter().all(|m| m.current_leader == Some(id)) {
+                        return leader;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        found.expect("exactly one leader, named by every node, within 10 s")
+    }
+
+    fn batch(ticket: u64) -> Batch {
+        Batch {
+            ticket,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn three_nodes_elect_one_leader_and_replicate() {
+        let nodes = start_cluster("t-elect").await;
+        let leader = wait_leader(&nodes).await;
+        let written = timeout(WAIT, nodes[leader].raft.client_write(batch(42)))
+            .await
+            .unwrap()
+            .unwrap();
+        let index = written.log_id.index;
+        for n in &nodes {
+            n.raft
+                .wait(Some(WAIT))
+                .applied_index_at_least(Some(index), "the write applied")
+                .await
+                .unwrap();
+            assert_eq!(n.sm.tickets(), vec![42], "node {}", n.id);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_learner_catches_up_by_snapshot() {
+        let mut nodes = start_cluster("t-snap").await;
+        let leader = wait_leader(&nodes).await;
+        let raft = nodes[leader].raft.clone();
+        let mut last = None;
+        for ticket in 1..=5 {
+            let written = timeout(WAIT, raft.client_write(batch(ticket)))
+                .await
+                .unwrap()
+                .unwrap();
+            last = Some(written.log_id);
+        }
+        let last = last.unwrap();
+        raft.trigger().snapshot().await.unwrap();
+        raft.wait(Some(WAIT))
+            .metrics(
+                |m| m.snapshot.is_some_and(|s| s.index >= last.index),
+                "snapshot built",
+            )
+            .await
+            .unwrap();
+        raft.trigger().purge_log(last.index).await.unwrap();
+        raft.wait(Some(WAIT))
+            .metrics(
+                |m| m.purged.is_some_and(|p| p.index >= last.index),
+                "log purged",
+            )
+            .await
+            .unwrap();
+
+        // The leader has none of the log the learner lacks: only a snapshot brings it up.
+        let learner = start_node(4, "t-snap").await;
+        timeout(WAIT, raft.add_learner(4, learner.node.clone(), true))
+            .await
+            .unwrap()
+            .unwrap();
+        learner
+            .raft
+            .wait(Some(WAIT))
+            .applied_index_at_least(Some(last.index), "the learner caught up")
+            .await
+            .unwrap();
+        assert!(
+            learner.sm.installed() >= 1,
+            "the learner installed a snapshot"
+        );
+        assert_eq!(learner.sm.tickets(), vec![1, 2, 3, 4, 5]);
+        nodes.push(learner);
+    }
+
+    // --- Refusals -----------------------------------------------------------------------------
+
+    /// Log output (WARN and up) of the current thread, for assertions.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<Mutex<Vec<u8>>>);
+
+    impl io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.0.lock().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logs {
+        fn text(&self) -> String {
+            String::from_utf8_lossy(&self.0.lock()).into_owned()
+        }
+
+        #[track_caller]
+        fn assert_line(&self, parts: &[&str]) {
+            let text = self.text();
+            assert!(
+                text.lines()
+                    .any(|l| l.contains("WARN") && parts.iter().all(|p| l.contains(p))),
+                "no WARN line with {parts:?} in:\n{text}"
+            );
+        }
+    }
+
+    /// Captures this thread's logs (the tests using it run on a current-thread runtime, so the
+    /// server's tasks log on this thread too).
+    fn capture_logs() -> (Logs, tracing::subscriber::DefaultGuard) {
+        let logs = Logs::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn frame(body: &[u8]) -> Vec<u8> {
+        let mut frame = (body.len() as u32).to_be_bytes().to_vec();
+        frame.extend_from_slice(body);
+        frame
+    }
+
+    fn hello_frame(hello: Hello) -> Vec<u8> {
+        frame(&postcard::to_stdvec(&Request::Hello(hello)).unwrap())
+    }
+
+    /// The frames in `buf`, decoded.
+    fn responses(mut buf: &[u8]) -> Vec<Response> {
+        let mut out = Vec::new();
+        while buf.len() >= 4 {
+            let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            out.push(postcard::from_bytes(&buf[4..4 + len]).unwrap());
+            buf = &buf[4 + len..];
+        }
+        out
+    }
+
+    /// What the server sends until it closes (a reset counts as a close: the server may close
+    /// with bytes of ours unread).
+    async fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+        let mut buf = Vec::new();
+        match timeout(WAIT, stream.read_to_end(&mut buf)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}"),
+            Err(_) => panic!("the server did not close the connection"),
+        }
+        buf
+    }
+
+    /// Sends `bytes` on a new connection: its local address, and what the server answered
+    /// before it closed.
+    async fn raw(addr: &str, bytes: &[u8]) -> (SocketAddr, Vec<Response>) {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        let local = stream.local_addr().unwrap();
+        stream.write_all(bytes).await.unwrap();
+        let answer = read_to_close(&mut stream).await;
+        (local, responses(&answer))
+    }
+
+    #[track_caller]
+    fn assert_refused(answer: &[Response], want: &str) {
+        match answer {
+            [Response::Refused { reason }] => assert!(reason.contains(want), "{reason}"),
+            other => panic!("expected a refusal for {want:?}, got {other:?}"),
+        }
+    }
+
+    fn vote_request(from: NodeId) -> VoteRequest<NodeId> {
+        VoteRequest::new(Vote::new(1, from), None)
+    }
+
+    #[tokio::test]
+    async fn refuses_bad_handshakes_and_keeps_serving() {
+        let (logs, _guard) = capture_logs();
+        let server = start_node(1, "t-hello").await;
+        let addr = server.node.raft.clone();
+
+        // Garbage: an HTTP request, whose first four bytes read as a 1.2 GB length.
+        let (peer, answer) = raw(&addr, b"GET / HTTP/1.1\r\nHost: warren\r\n\r\n").await;
+        assert!(
+            matches!(answer[..], [] | [Response::Refused { .. }]),
+            "{answer:?}"
+        );
+        logs.assert_line(&[&peer.to_string(), "refused", "handshake frame over"]);
+
+        // Garbage in a well-formed frame.
+        let (peer, answer) = raw(&addr, &frame(&[0xff; 12])).await;
+        assert_refused(&answer, "undecodable handshake");
+        logs.assert_line(&[&peer.to_string(), "refused", "undecodable handshake"]);
+
+        // A first frame that is not a Hello.
+        let vote = postcard::to_stdvec(&Request::Vote(vote_request(2))).unwrap();
+        let (_, answer) = raw(&addr, &frame(&vote)).await;
+        assert_refused(&answer, "not a Hello");
+
+        // Another protocol version, and a bad magic.
+        let mut hello = Hello::new("t-hello", 2, 1);
+        hello.version = 9;
+        let (_, answer) = raw(&addr, &hello_frame(hello)).await;
+        assert_refused(&answer, "version 9");
+        let mut hello = Hello::new("t-hello", 2, 1);
+        hello.magic = *b"AMQP";
+        let (_, answer) = raw(&addr, &hello_frame(hello)).await;
+        assert_refused(&answer, "magic");
+
+        // Another cluster, another addressee.
+        let (peer, answer) = raw(&addr, &hello_frame(Hello::new("other", 2, 1))).await;
+        assert_refused(&answer, "cluster id \"other\"");
+        logs.assert_line(&[&peer.to_string(), "refused", "cluster id \"other\""]);
+        let (peer, answer) = raw(&addr, &hello_frame(Hello::new("t-hello", 2, 7))).await;
+        assert_refused(&answer, "addressed to node 7");
+        logs.assert_line(&[&peer.to_string(), "refused", "addressed to node 7"]);
+
+        // The same through the client: Unreachable (openraft backs off), logged on this side.
+        let mut net = NetworkFactory::new("other", 2)
+            .new_client(1, &server.node)
+            .await;
+        let err = net
+            .vote(vote_request(2), RPCOption::new(WAIT))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RPCError::Unreachable(_)), "{err}");
+        logs.assert_line(&[&addr, "node 1", "refused our connection", "cluster id"]);
+        let mut net = NetworkFactory::new("t-hello", 2)
+            .new_client(7, &server.node)
+            .await;
+        let err = net
+            .vote(vote_request(2), RPCOption::new(WAIT))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RPCError::Unreachable(_)), "{err}");
+        logs.assert_line(&[
+            &addr,
+            "node 7",
+            "refused our connection",
+            "addressed to node 7",
+        ]);
+
+        // A correct client is served, twice on one connection.
+        let mut net = NetworkFactory::new("t-hello", 2)
+            .new_client(1, &server.node)
+            .await;
+        let resp = net
+            .vote(vote_request(2), RPCOption::new(WAIT))
+            .await
+            .unwrap();
+        assert!(resp.vote_granted);
+        assert!(net.conn.is_some(), "the connection is kept");
+        let resp = net
+            .vote(vote_request(2), RPCOption::new(WAIT))
+            .await
+            .unwrap();
+        assert!(resp.vote_granted);
+    }
+
+    #[test]
+    fn an_oversized_length_is_refused_before_allocation() {
+        let mut codec = codec(MAX_FRAME);
+        let mut buf = BytesMut::new();
+        buf.extend_from_slice(&(MAX_FRAME as u32 + 1).to_be_bytes());
+        buf.extend_from_slice(b"body");
+        let err = codec.decode(&mut buf).unwrap_err();
+        assert!(is_too_large(&err), "{err}");
+        assert!(buf.capacity() < 1024, "capacity {}", buf.capacity());
+
+        // And the handshake's limit is lower still.
+        let mut codec = super::codec(MAX_HELLO_FRAME);
+        let mut buf = BytesMut::from(&(MAX_HELLO_FRAME as u32 + 1).to_be_bytes()[..]);
+        assert!(is_too_large(&codec.decode(&mut buf).unwrap_err()));
+    }
+
+    #[tokio::test]
+    async fn an_oversized_frame_drops_the_connection_and_the_server_goes_on() {
+        let (logs, _guard) = capture_logs();
+        let server = start_node(1, "t-big").await;
+        let addr = server.node.raft.clone();
+
+        let mut stream = TcpStream::connect(&addr).await.unwrap();
+        let peer = stream.local_addr().unwrap();
+        stream
+            .write_all(&hello_frame(Hello::new("t-big", 2, 1)))
+            .await
+            .unwrap();
+        let mut head = [0; 4];
+        timeout(WAIT, stream.read_exact(&mut head))
+            .await
+            .unwrap()
+            .unwrap();
+        let mut body = vec![0; u32::from_be_bytes(head) as usize];
+        timeout(WAIT, stream.read_exact(&mut body))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(matches!(
+            postcard::from_bytes::<Response>(&body).unwrap(),
+            Response::HelloOk { .. }
+        ));
+
+        // 64 MiB + 1 announced, a few bytes sent: the server closes at once.
+        stream
+            .write_all(&(MAX_FRAME as u32 + 1).to_be_bytes())
+            .await
+            .unwrap();
+        stream.write_all(&[0; 64]).await.unwrap();
+        assert!(read_to_close(&mut stream).await.is_empty());
+        logs.assert_line(&[&peer.to_string(), "dropped", "over the 67108864 byte limit"]);
+
+        let mut net = NetworkFactory::new("t-big", 2)
+            .new_client(1, &server.node)
+            .await;
+        let resp = net
+            .vote(vote_request(2), RPCOption::new(WAIT))
+            .await
+            .unwrap();
+        assert!(resp.vote_granted);
+    }
+
+    // --- Client connection handling -----------------------------------------------------------
+
+    /// A peer that accepts the handshake and then never answers; it counts its connections.
+    async fn silent_peer() -> (NodeInfo, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let node = NodeInfo {
+            raft: listener.local_addr().unwrap().to_string(),
+            ..Default::default()
+        };
+        let conns = Arc::new(AtomicUsize::new(0));
+        let counted = conns.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counted.fetch_add(1, SeqCst);
+                tokio::spawn(async move {
+                    let mut framed = Framed::new(stream, codec(MAX_FRAME));
+                    if let Some(Ok(_hello)) = framed.next().await {
+                        let _ = framed
+                            .send(encode(&Response::HelloOk { info: None }).unwrap())
+                            .await;
+                    }
+                    while let Some(Ok(_)) = framed.next().await {}
+                });
+            }
+        });
+        (node, conns)
+    }
+
+    #[tokio::test]
+    async fn a_timed_out_or_abandoned_rpc_drops_its_connection() {
+        let (node, conns) = silent_peer().await;
+        let mut net = NetworkFactory::new("t", 1).new_client(2, &node).await;
+
+        // The hard TTL passes: a Timeout, and the connection is not kept.
+        let short = RPCOption::new(Duration::from_millis(100));
+        let err = net.vote(vote_request(1), short).await.unwrap_err();
+        assert!(matches!(err, RPCError::Timeout(_)), "{err}");
+        assert!(net.conn.is_none());
+        assert_eq!(conns.load(SeqCst), 1);
+
+        // The caller drops the RPC part way (openraft's own timeout does): the next RPC does not
+        // read the abandoned one's response, it connects anew.
+        let abandoned = timeout(
+            Duration::from_millis(100),
+            net.vote(vote_request(1), RPCOption::new(WAIT)),
+        )
+        .await;
+        assert!(abandoned.is_err());
+        assert!(net.conn.is_none());
+        assert_eq!(conns.load(SeqCst), 2);
+        let short = RPCOption::new(Duration::from_millis(100));
+        assert!(net.vote(vote_request(1), short).await.is_err());
+        assert_eq!(conns.load(SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_closed_port_is_unreachable_and_backoff_grows() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let node = NodeInfo {
+            raft: listener.local_addr().unwrap().to_string(),
+            ..Default::default()
+        };
+        drop(listener);
+        let mut net = NetworkFactory::new("t", 1).new_client(2, &node).await;
+        let err = net
+            .vote(vote_request(1), RPCOption::new(WAIT))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, RPCError::Unreachable(_)), "{err}");
+
+        let ms: Vec<u128> = net.backoff().take(7).map(|d| d.as_millis()).collect();
+        assert_eq!(ms, vec![20, 40, 80, 160, 320, 500, 500]);
+    }
+
+    // --- The messages -------------------------------------------------------------------------
+
+    #[test]
+    fn hello_check_refuses_each_mismatch() {
+        let ok = Hello::new("c", 2, 1);
+        assert_eq!(hello_check(&ok, "c", 1), Ok(()));
+        let mut bad = ok.clone();
+        bad.magic = *b"WRNX";
+        assert!(hello_check(&bad, "c", 1).unwrap_err().contains("magic"));
+        let mut bad = ok.clone();
+        bad.version = 2;
+        assert!(hello_check(&bad, "c", 1).unwrap_err().contains("version 2"));
+        assert!(hello_check(&ok, "d", 1).unwrap_err().contains("cluster"));
+        assert!(hello_check(&ok, "c", 3).unwrap_err().contains("node 1"));
+    }
+
+    #[test]
+    fn messages_round_trip_through_postcard() {
+        let log_id = |index| LogId::new(CommittedLeaderId::new(3, 1), index);
+        let info = NodeInfo {
+            raft: "10.0.0.1:7000".to_owned(),
+            amqp: "10.0.0.1:5672".to_owned(),
+            http: "10.0.0.1:15672".to_owned(),
+        };
+        let membership = Membership::new(
+            vec![BTreeSet::from([1, 2])],
+            BTreeMap::from([(1, info.clone()), (2, info.clone()), (3, info)]),
+        );
+        let entries = vec![
+            Entry {
+                log_id: log_id(1),
+                payload: EntryPayload::Blank,
+            },
+            Entry {
+                log_id: log_id(2),
+                payload: EntryPayload::Membership(membership.clone()),
+            },
+            Entry {
+                log_id: log_id(3),
+                payload: EntryPayload::Normal(Batch {
+                    proposer: 9,
+                    ticket: 8,
+                    clock_ms: 7,
+                    ops: Bytes::from_static(b"ops"),
+                }),
+            },
+        ];
+        let requests = [
+            Request::Hello(Hello::new("c", 1, 2)),
+            Request::AppendEntries(AppendEntriesRequest {
+                vote: Vote::new_committed(3, 1),
+                prev_log_id: Some(log_id(0)),
+                leader_commit: Some(log_id(2)),
+                entries,
+            }),
+            Request::Vote(VoteRequest::new(Vote::new(4, 2), Some(log_id(3)))),
+            Request::Snapshot {
+                vote: Vote::new_committed(3, 1),
+                meta: SnapshotMeta {
+                    last_log_id: Some(log_id(3)),
+                    last_membership: StoredMembership::new(Some(log_id(2)), membership),
+                    snapshot_id: "3-1".to_owned(),
+                },
+                data: b"snapshot".to_vec(),
+            },
+        ];
+        for request in &requests {
+            let back: Request = postcard::from_bytes(&encode(request).unwrap()).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{request:?}"));
+        }
+        let responses = [
+            Response::HelloOk { info: None },
+            Response::Refused {
+                reason: "no".to_owned(),
+            },
+            Response::AppendEntries(AppendEntriesResponse::Success),
+            Response::AppendEntries(AppendEntriesResponse::PartialSuccess(Some(log_id(2)))),
+            Response::AppendEntries(AppendEntriesResponse::Conflict),
+            Response::AppendEntries(AppendEntriesResponse::HigherVote(Vote::new(5, 3))),
+            Response::Vote(VoteResponse::new(Vote::new(4, 2), Some(log_id(3)), true)),
+            Response::Snapshot(SnapshotResponse::new(Vote::new_committed(3, 1))),
+            Response::RaftError(Fatal::Stopped),
+            Response::RaftError(Fatal::StorageError(StorageError::from(
+                StorageIOError::write_logs(AnyError::error("disk full")),
+            ))),
+        ];
+        for response in &responses {
+            let back: Response = postcard::from_bytes(&encode(response).unwrap()).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{response:?}"));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn garbage_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256)) {
+            let _ = decode_hello(&bytes);
+            let _ = postcard::from_bytes::<Request>(&bytes);
+            let _ = postcard::from_bytes::<Response>(&bytes);
+        }
     }
 }

@@ -248,10 +248,41 @@ async fn three_nodes_replicate_and_a_killed_leader_loses_no_confirmed_message() 
     let mut c = Cluster::start(3);
     let leader = c.leader(Duration::from_secs(20)).await;
     let follower = (leader + 1) % 3;
-    // Every node reports the same group: three voters with their Raft addresses.
+    // Every node reports the same group: three voters with their Raft, AMQP and HTTP
+    // addresses (each node gives its own in its handshake answer; the leader publishes them).
+    let deadline = Instant::now() + WAIT;
+    while !c.nodes.iter().all(|node| {
+        node.status().is_some_and(|s| {
+            s["nodes"].as_array().unwrap().iter().all(|n| {
+                n["amqp"].as_str().unwrap().ends_with(&format!(
+                    ":{}",
+                    c.nodes[n["id"].as_u64().unwrap() as usize - 1].amqp
+                )) && n["http"].as_str().unwrap().ends_with(&format!(
+                    ":{}",
+                    c.nodes[n["id"].as_u64().unwrap() as usize - 1].http
+                ))
+            })
+        })
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "addresses not published: {:?}",
+            c.nodes[leader].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     for node in &c.nodes {
         let s = node.status().unwrap();
         assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
+        assert_eq!(s["node_id"].as_u64(), Some(node.id), "{s}");
+        assert!(
+            s["nodes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|n| n["membership"] == "voter"),
+            "{s}"
+        );
         assert!(s["term"].as_u64().unwrap() >= 1);
         let role = s["role"].as_str().unwrap();
         assert_eq!(role == "leader", node.id == c.nodes[leader].id, "{s}");
