@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod commit;
 pub mod config;
 pub mod conn;
+pub mod ctl;
 mod handlers;
 pub mod http;
 pub use warren_broker::log_limit;

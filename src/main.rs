@@ -35,6 +35,8 @@ enum Command {
     Server(ServerArgs),
     /// Load a broker and report rates and latencies (RabbitMQ's PerfTest, in spirit).
     Perf(warren_perf::PerfArgs),
+    /// Operate a running node through its management API (cluster status, membership).
+    Ctl(warren::ctl::CtlArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -133,6 +135,9 @@ fn main() -> anyhow::Result<()> {
             EnvFilter::try_from_env("WARREN_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
+    if let Some(Command::Ctl(a)) = cli.command {
+        return warren::ctl::run(a);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -140,6 +145,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Server(a)) => runtime.block_on(serve(a)),
         Some(Command::Perf(a)) => runtime.block_on(warren_perf::run(a)).map(|_| ()),
+        Some(Command::Ctl(_)) => Ok(()),
         None => runtime.block_on(serve(cli.server)),
     }
 }
@@ -172,9 +178,6 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         loopback_users: args.loopback_users.0,
         cluster: match (args.node_id, args.raft_listen, args.peers) {
             (Some(node_id), Some(raft_listen), Some(peers)) => {
-                if !peers.contains_key(&node_id) {
-                    anyhow::bail!("--peers does not list this node's id {node_id}");
-                }
                 Some(warren::config::ClusterConfig {
                     node_id,
                     raft_listen,

@@ -318,18 +318,27 @@ impl Shared {
         let replication = config.cluster.as_ref().map(|c| {
             Arc::new(crate::cluster::Replication::new(
                 c.node_id,
-                crate::cluster::types::NodeInfo {
-                    raft: c.peers.get(&c.node_id).cloned().unwrap_or_default(),
-                    amqp: c
-                        .advertise_amqp
-                        .clone()
-                        .unwrap_or_else(|| advertised(config.amqp_listen, &c.peers[&c.node_id])),
-                    http: c.advertise_http.clone().unwrap_or_else(|| {
-                        config
-                            .management_listen
-                            .map(|a| advertised(a, &c.peers[&c.node_id]))
-                            .unwrap_or_default()
-                    }),
+                {
+                    // A node listed in --peers is known by that address; one joining later
+                    // (not listed) by its --raft-listen.
+                    let raft = c
+                        .peers
+                        .get(&c.node_id)
+                        .cloned()
+                        .unwrap_or_else(|| advertised(c.raft_listen, "127.0.0.1"));
+                    crate::cluster::types::NodeInfo {
+                        amqp: c
+                            .advertise_amqp
+                            .clone()
+                            .unwrap_or_else(|| advertised(config.amqp_listen, &raft)),
+                        http: c.advertise_http.clone().unwrap_or_else(|| {
+                            config
+                                .management_listen
+                                .map(|a| advertised(a, &raft))
+                                .unwrap_or_default()
+                        }),
+                        raft,
+                    }
                 },
                 crate::cluster::cluster_id(&c.peers),
             ))

@@ -206,7 +206,15 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         Some(rep.info.clone()),
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
-    if fresh_log && !raft.is_initialized().await.unwrap_or(false) {
+    if !cfg.peers.contains_key(&rep.me) {
+        info!(
+            node_id = rep.me,
+            "not an initial member (--peers does not list it): waiting to be added with \
+             `warren ctl cluster add {} {}` on a member",
+            rep.me,
+            rep.info.raft
+        );
+    } else if fresh_log && !raft.is_initialized().await.unwrap_or(false) {
         // Every node started with the same list initializes with the same membership: the
         // first that wins an election leads, the others' attempts fail harmlessly.
         let members: BTreeMap<NodeId, NodeInfo> = cfg
@@ -306,12 +314,26 @@ async fn watch_leadership(
     learned: net::Learned,
 ) {
     let updating = Arc::new(AtomicBool::new(false));
+    let mut member = false;
     let mut metrics = raft.metrics();
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(LEASE_TICK_MS));
     let mut lapsed = false;
     let mut fresh = true;
     loop {
         let m = metrics.borrow_and_update().clone();
+        // A node removed from the membership stops its Raft (it would campaign forever).
+        let listed = m.membership_config.membership().get_node(&rep.me).is_some();
+        if member && !listed && m.membership_config.log_id().is_some() {
+            demote(&shared, &rep, "removed from the cluster");
+            warn!(
+                node_id = rep.me,
+                "this node was removed from the cluster: its Raft stops (to serve again, \
+                 clear its data folder and add it as a new node)"
+            );
+            let _ = raft.shutdown().await;
+            return;
+        }
+        member |= listed;
         if let (Some(since), true) = (m.millis_since_quorum_ack, fresh) {
             // Metrics come when something changes: a leader cut off from its followers
             // stops hearing, so its last figure ages from when it was seen (now).

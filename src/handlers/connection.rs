@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tracing::info;
 use warren_protocol::{AmqpError, Frame, ReplyCode};
 
-fn server_properties() -> FieldTable {
+fn server_properties(shared: &crate::node::Shared) -> FieldTable {
     let mut caps = FieldTable::default();
     for cap in [
         "publisher_confirms",
@@ -54,7 +54,50 @@ fn server_properties() -> FieldTable {
         s("Warren, an AMQP 0-9-1 broker compatible with RabbitMQ. Licensed under the Apache License 2.0."),
     );
     props.insert("cluster_name".into(), s("warren"));
+    // A cluster node names itself and what it knows of the cluster (issue 15): which node
+    // answered, its role and term, the leader, the commit and applied indexes, and each
+    // follower's lag (on the leader), so a client can log where it is connected.
+    if let Some(st) = shared
+        .replication
+        .as_ref()
+        .and_then(|r| crate::cluster::status::status(r))
+    {
+        let mut c = FieldTable::default();
+        let n = |v: u64| AMQPValue::LongLongInt(v as i64);
+        c.insert("node_id".into(), n(st.node_id));
+        c.insert("role".into(), s(&st.role));
+        c.insert("term".into(), n(st.term));
+        if let Some(l) = st.leader_id {
+            c.insert("leader_id".into(), n(l));
+        }
+        if let Some(i) = st.commit_index {
+            c.insert("commit_index".into(), n(i));
+        }
+        if let Some(i) = st.applied_index {
+            c.insert("applied_index".into(), n(i));
+        }
+        let mut lag = FieldTable::default();
+        for node in &st.nodes {
+            if let Some(l) = node.lag {
+                lag.insert(node.id.to_string().into(), n(l));
+            }
+        }
+        c.insert("follower_lag".into(), AMQPValue::FieldTable(lag));
+        props.insert("warren_cluster".into(), AMQPValue::FieldTable(c));
+        props.insert(
+            "cluster_name".into(),
+            s(&format!("warren-{}", st_cluster(shared))),
+        );
+    }
     props
+}
+
+fn st_cluster(shared: &crate::node::Shared) -> String {
+    shared
+        .replication
+        .as_ref()
+        .map(|r| r.cluster_id.clone())
+        .unwrap_or_default()
 }
 
 /// Split a SASL response into (user, password) for PLAIN ("authzid\0user\0pass") or AMQPLAIN
@@ -99,7 +142,7 @@ impl Session {
             &AMQPClass::Connection(M::Start(connection::Start {
                 version_major: 0,
                 version_minor: 9,
-                server_properties: server_properties(),
+                server_properties: server_properties(&self.shared),
                 mechanisms: "AMQPLAIN PLAIN".into(),
                 locales: "en_US".into(),
             })),

@@ -88,6 +88,9 @@ fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/api/overview", get(overview))
         .route("/api/whoami", get(whoami))
+        .route("/api/nodes", get(cluster::nodes))
+        .route("/api/cluster/nodes", axum::routing::post(cluster::add_node))
+        .route("/api/cluster/nodes/{id}", delete(cluster::remove_node))
         .route("/api/vhosts", get(vhosts))
         .route("/api/vhosts/{vhost}", get(vhost))
         .route("/api/connections", get(connections))
@@ -210,7 +213,7 @@ fn in_vhost(
     list(shared, Some(vhost))
 }
 
-fn not_found() -> Response {
+pub(super) fn not_found() -> Response {
     (
         StatusCode::NOT_FOUND,
         Json(json!({"error": "Object Not Found", "reason": "Not Found"})),
@@ -323,7 +326,7 @@ fn amqp_error_response(e: &AmqpError) -> Response {
     (status, Json(json!({"error": error, "reason": reason}))).into_response()
 }
 
-fn bad_request(reason: &str) -> Response {
+pub(super) fn bad_request(reason: &str) -> Response {
     (
         StatusCode::BAD_REQUEST,
         Json(json!({"error": "bad_request", "reason": reason})),

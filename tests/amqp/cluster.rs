@@ -115,6 +115,20 @@ impl Cluster {
         node.child = Some(child);
     }
 
+    /// Start one more node, not among the initial `--peers` (it waits to be added).
+    pub fn start_extra(&mut self) -> usize {
+        let mut node = Node {
+            id: self.nodes.len() as u64 + 1,
+            amqp: free_port(),
+            http: free_port(),
+            raft: free_port(),
+            child: None,
+        };
+        self.spawn(&mut node);
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
     pub fn restart(&mut self, i: usize) {
         let mut node = std::mem::replace(
             &mut self.nodes[i],
@@ -161,7 +175,7 @@ impl Cluster {
                         .flatten()
                         .any(|n| n["id"].as_u64() == Some(id) && n["amqp"] != "")
                 });
-                if agreed && announced && live.len() * 2 > self.nodes.len() {
+                if agreed && announced && live.len() * 2 > self.voters() {
                     return i;
                 }
             }
@@ -169,6 +183,37 @@ impl Cluster {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
+}
+
+impl Cluster {
+    /// Voters in the first live node's view (the initial three unless changed).
+    fn voters(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some())
+            .find_map(|n| n.status())
+            .and_then(|s| {
+                s["nodes"]
+                    .as_array()
+                    .map(|a| a.iter().filter(|n| n["membership"] == "voter").count())
+            })
+            .unwrap_or(self.nodes.len())
+    }
+}
+
+/// `warren ctl ARGS` against `node`: (success, stdout + stderr).
+fn ctl(node: &Node, args: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+        .args(["ctl", "--url", &format!("http://127.0.0.1:{}", node.http)])
+        .args(args)
+        .output()
+        .expect("run warren ctl");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
 }
 
 async fn connect(url: &str) -> Connection {
@@ -373,4 +418,42 @@ async fn three_nodes_replicate_and_a_killed_leader_loses_no_confirmed_message() 
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_added_from_the_command_line_catches_up_and_is_removed() {
+    let mut c = Cluster::start(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "before").await;
+    publish_confirmed(&conn, "before", 0, 300).await;
+
+    // A fourth process, not among --peers: it waits, a learner of nothing, until added.
+    let extra = c.start_extra();
+    let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
+    // Through a follower: ctl finds the leader itself.
+    let follower = (leader + 1) % 3;
+    let (ok, out) = ctl(&c.nodes[follower], &["cluster", "add", "4", &raft]);
+    assert!(ok, "{out}");
+    let s = c.nodes[leader].status().unwrap();
+    let nodes = s["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4, "{s}");
+    assert!(nodes.iter().all(|n| n["membership"] == "voter"), "{s}");
+    // It has what was confirmed before it joined, and what comes after.
+    publish_confirmed(&conn, "before", 300, 10).await;
+    replicated(&c, "before", 310, Duration::from_secs(10)).await;
+    let (ok, out) = ctl(&c.nodes[extra], &["cluster", "status"]);
+    assert!(ok, "{out}");
+    assert!(out.contains("is follower"), "{out}");
+    assert!(out.contains(&raft), "{out}");
+
+    // Removed: the others go on as three.
+    let (ok, out) = ctl(&c.nodes[follower], &["cluster", "remove", "4"]);
+    assert!(ok, "{out}");
+    let s = c.nodes[leader].status().unwrap();
+    assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
+    publish_confirmed(&conn, "before", 310, 10).await;
+    // Removing a node that is not there is an error, said so.
+    let (ok, out) = ctl(&c.nodes[leader], &["cluster", "remove", "9"]);
+    assert!(!ok, "{out}");
 }
