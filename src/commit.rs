@@ -215,9 +215,34 @@ impl Committer {
         applied: Vec<u8>,
         done: tokio::sync::oneshot::Sender<bool>,
     ) {
-        let done: Box<dyn FnOnce(bool) + Send> = Box::new(move |ok| {
-            let _ = done.send(ok);
-        });
+        self.submit_group_then(
+            parts,
+            applied,
+            Box::new(move |ok| {
+                let _ = done.send(ok);
+            }),
+        )
+    }
+
+    /// [`Committer::submit_group`], and wait for it (blocking the thread).
+    pub fn write_group(&self, parts: Vec<Part>, applied: Vec<u8>) -> bool {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.submit_group_then(
+            parts,
+            applied,
+            Box::new(move |ok| {
+                let _ = tx.send(ok);
+            }),
+        );
+        rx.recv().unwrap_or(false)
+    }
+
+    fn submit_group_then(
+        &self,
+        parts: Vec<Part>,
+        applied: Vec<u8>,
+        done: Box<dyn FnOnce(bool) + Send>,
+    ) {
         let mut parts = parts.into_iter();
         let (ticket, mut ops, notify) = match parts.next() {
             Some(p) => (p.ticket, p.ops, p.notify),

@@ -76,6 +76,9 @@ pub struct ClusterConfig {
     /// address's host.
     pub advertise_amqp: Option<String>,
     pub advertise_http: Option<String>,
+    /// Log entries between two snapshots (`--raft-snapshot-every`); the log before a
+    /// snapshot is purged but for a tenth of this.
+    pub snapshot_every: u64,
 }
 
 /// See [`ClusterConfig::follower_clients`].

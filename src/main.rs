@@ -123,6 +123,10 @@ struct ServerArgs {
     /// The management address other nodes name for this one (default: as --advertise-amqp).
     #[arg(long, env = "WARREN_ADVERTISE_HTTP")]
     advertise_http: Option<String>,
+    /// Raft log entries (each a batch of changes) between two snapshots of the state; the
+    /// log before a snapshot is reclaimed but for a tenth of this.
+    #[arg(long, env = "WARREN_RAFT_SNAPSHOT_EVERY", default_value_t = warren::cluster::SNAPSHOT_EVERY, value_parser = clap::value_parser!(u64).range(10..))]
+    raft_snapshot_every: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -185,6 +189,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
                     follower_clients: args.follower_clients,
                     advertise_amqp: args.advertise_amqp,
                     advertise_http: args.advertise_http,
+                    snapshot_every: args.raft_snapshot_every,
                 })
             }
             _ => None,

@@ -111,6 +111,10 @@ impl warren_storage::Store for SlowSync {
         self.inner.applied()
     }
 
+    fn snapshot(&self) -> Result<Vec<warren_storage::Op>, warren_storage::StoreError> {
+        self.inner.snapshot()
+    }
+
     fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
         self.inner.recover()
     }

@@ -600,6 +600,11 @@ impl Store for RocksStore {
         self.write_with(ops, Some(applied), sync)
     }
 
+    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
+        let _w = lock(&self.inner.writing);
+        self.inner.with_view(|v| v.snapshot_ops())
+    }
+
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
         self.inner.with_view(|v| {
             let meta = v.meta()?;
@@ -1066,6 +1071,69 @@ impl View<'_> {
             ops,
             queues: summaries,
         })
+    }
+
+    /// See `Store::snapshot`.
+    fn snapshot_ops(&self) -> Result<Vec<Op>, StoreError> {
+        let mut ops = Vec::new();
+        for (_, _, name, v) in self.meta_entities(USER_PREFIX)? {
+            let u = UserRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_user(&name, &u));
+        }
+        for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
+            let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::declare_exchange(&vhost, &name, &x));
+        }
+        let mut queues: HashMap<Vec<u8>, (String, String)> = HashMap::new();
+        for (_, vhost, name, v) in self.meta_entities(QUEUE_PREFIX)? {
+            let q = QueueRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::declare_queue(&vhost, &name, &q));
+            queues.insert(queue_prefix(&vhost, &name), (vhost, name));
+        }
+        let meta = self.meta()?;
+        for item in self.db.prefix_iterator_cf(&meta, [BINDING_PREFIX]) {
+            let (k, _) = item.map_err(|e| self.err(e))?;
+            if k.first() != Some(&BINDING_PREFIX) {
+                break;
+            }
+            let b = BindingKey::decode(Bytes::copy_from_slice(&k))
+                .map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::bind(&b));
+        }
+        let messages = self.messages()?;
+        for item in self.db.iterator_cf(&messages, IteratorMode::Start) {
+            let (k, v) = item.map_err(|e| self.err(e))?;
+            if *k == *SENTINEL {
+                continue;
+            }
+            if k.len() < 8 {
+                return Err(self.corrupt("bad message key".into()));
+            }
+            let (prefix, key) = k.split_at(k.len() - 8);
+            let Some((vhost, name)) = queues.get(prefix) else {
+                continue;
+            };
+            let key = self.message_key(key)?;
+            let m = match MessageEntry::decode(Bytes::from(v.into_vec()))
+                .map_err(|e| self.corrupt(e.to_string()))?
+            {
+                MessageEntry::Whole(m) => m,
+                MessageEntry::Shared => self.shared_record(key_id(key))?,
+                MessageEntry::Spilled(_) => continue,
+            };
+            ops.push(Op::Enqueue {
+                vhost: vhost.as_str().into(),
+                queues: std::iter::once((name.as_str().into(), warren_storage::key_level(key)))
+                    .collect(),
+                id: key_id(key),
+                timestamp_ms: m.timestamp_ms,
+                exchange: m.exchange.as_str().into(),
+                routing_key: m.routing_key.as_str().into(),
+                properties: m.properties,
+                body: m.body,
+            });
+        }
+        Ok(ops)
     }
 
     fn read_range(

@@ -184,7 +184,12 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         election_timeout_max: 300,
         install_snapshot_timeout: 5000,
         max_payload_entries: 64,
-        snapshot_policy: openraft::SnapshotPolicy::Never,
+        // A snapshot is the store's replicated content (`Store::snapshot`), taken every
+        // `snapshot_every` entries; the log before it is purged, keeping a tenth of that so
+        // that a follower a little behind catches up from the log, not a snapshot.
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(cfg.snapshot_every),
+        max_in_snapshot_log_to_keep: cfg.snapshot_every / 10,
+        purge_batch_size: (cfg.snapshot_every / 10).clamp(1, 256),
         ..Default::default()
     }
     .validate()
@@ -247,6 +252,9 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
 /// ends before another leader can exist.
 const LEASE_MS: u64 = 300;
 const LEASE_TICK_MS: u64 = 25;
+
+/// Entries between snapshots by default (each entry is a batch of changes).
+pub const SNAPSHOT_EVERY: u64 = 20_000;
 
 /// Proposals in flight at once: while one is being fsynced and replicated, the next gathers
 /// everything that arrives (openraft 0.9 fsyncs each entry on its own).

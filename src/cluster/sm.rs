@@ -10,6 +10,9 @@
 //! the store never holds a change without the position that covers it, nor a position ahead
 //! of what it holds.
 
+// openraft's StorageError is what its traits return (224 bytes): not ours to box.
+#![allow(clippy::result_large_err)]
+
 use super::types::{Entry, LogId, Snapshot, SnapshotData, SnapshotMeta, StorageError};
 use super::types::{StoredMembership, TypeConfig};
 use super::Replication;
@@ -31,6 +34,17 @@ pub struct StateMachine {
     shared: Arc<Shared>,
     rep: Arc<Replication>,
     applied: Applied,
+    /// Where the last snapshot built or installed is kept (`<data-dir>/raft-snapshot`).
+    snapshots: std::path::PathBuf,
+    /// Snapshots built by this process (their ids stay unique).
+    built: u64,
+}
+
+/// A snapshot file: postcard of this.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SnapshotFile {
+    meta: SnapshotMeta,
+    data: Vec<u8>,
 }
 
 fn io_err(e: impl std::fmt::Display) -> StorageError {
@@ -52,16 +66,20 @@ impl StateMachine {
             })?,
             None => Applied::default(),
         };
+        let snapshots = shared.config.data_dir.join("raft-snapshot");
+        std::fs::create_dir_all(&snapshots)?;
         Ok(StateMachine {
             shared,
             rep,
             applied,
+            snapshots,
+            built: 0,
         })
     }
 }
 
 impl RaftStateMachine<TypeConfig> for StateMachine {
-    type SnapshotBuilder = NoSnapshots;
+    type SnapshotBuilder = Builder;
 
     async fn applied_state(&mut self) -> Result<(Option<LogId>, StoredMembership), StorageError> {
         Ok((self.applied.log_id, self.applied.membership.clone()))
@@ -156,34 +174,175 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }
     }
 
+    /// Runs between two applies: the store then holds exactly the applied entries (each
+    /// apply returns once its write is done), so the snapshot is taken here, whole, and the
+    /// builder only writes it out.
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
-        NoSnapshots
+        self.built += 1;
+        let applied = self.applied.clone();
+        let taken = (|| {
+            let store = self
+                .shared
+                .store
+                .as_ref()
+                .ok_or_else(|| io_err("a cluster node needs a store"))?;
+            let ops = store.snapshot().map_err(io_err)?;
+            warren_storage::op_codec::encode_ops(&ops).map_err(io_err)
+        })();
+        let id = format!(
+            "{}-{}-{}",
+            applied.log_id.map(|l| l.leader_id.term).unwrap_or(0),
+            applied.log_id.map(|l| l.index).unwrap_or(0),
+            self.built
+        );
+        Builder {
+            meta: SnapshotMeta {
+                last_log_id: applied.log_id,
+                last_membership: applied.membership,
+                snapshot_id: id,
+            },
+            taken: Some(taken.map(|b| b.to_vec())),
+            dir: self.snapshots.clone(),
+        }
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
         Ok(Box::new(std::io::Cursor::new(Vec::new())))
     }
 
+    /// Replace the state with the snapshot's: in one store write, every queue and exchange the
+    /// store holds is deleted and the snapshot's ops written, with the snapshot's position;
+    /// then the broker is rebuilt from the store (as after a restart).
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta,
-        _snapshot: Box<SnapshotData>,
+        snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
-        error!(snapshot = %meta.snapshot_id, "a snapshot was sent, but this version catches up from the log only");
-        Err(io_err("snapshots are not installed by this version"))
+        let data = snapshot.into_inner();
+        let ops = warren_storage::op_codec::decode_ops(bytes::Bytes::from(data.clone())).map_err(
+            |e| {
+                io_err(format!(
+                    "snapshot {} does not decode: {e}",
+                    meta.snapshot_id
+                ))
+            },
+        )?;
+        let store = self
+            .shared
+            .store
+            .clone()
+            .ok_or_else(|| io_err("a cluster node needs a store"))?;
+        let committer = self
+            .shared
+            .committer
+            .as_ref()
+            .ok_or_else(|| io_err("a cluster node needs a store"))?;
+        let applied = Applied {
+            log_id: meta.last_log_id,
+            membership: meta.last_membership.clone(),
+        };
+        {
+            let mut broker = self.shared.broker.lock();
+            if !committer.barrier() {
+                return Err(io_err("the store failed a write"));
+            }
+            let mut write: Vec<warren_storage::Op> = Vec::new();
+            for op in store.snapshot().map_err(io_err)? {
+                match op {
+                    warren_storage::Op::DeclareQueue { vhost, name, .. } => {
+                        write.push(warren_storage::Op::DeleteQueue { vhost, name })
+                    }
+                    warren_storage::Op::DeclareExchange { vhost, name, .. } => {
+                        write.push(warren_storage::Op::DeleteExchange { vhost, name })
+                    }
+                    _ => {}
+                }
+            }
+            write.extend(ops);
+            let position = postcard::to_stdvec(&applied).map_err(io_err)?;
+            let written = committer.write_group(
+                vec![Part {
+                    ticket: broker.journal_seq(),
+                    ops: write.into_iter().collect(),
+                    notify: None,
+                }],
+                position,
+            );
+            if written {
+                self.shared.rebuild_broker(&mut broker).map_err(|e| {
+                    io_err(format!(
+                        "rebuilding from snapshot {}: {e}",
+                        meta.snapshot_id
+                    ))
+                })?;
+            } else {
+                return Err(io_err("the store failed to write a snapshot"));
+            }
+        }
+        self.applied = applied;
+        write_snapshot(&self.snapshots, meta, data).map_err(io_err)?;
+        tracing::info!(snapshot = %meta.snapshot_id, "installed a snapshot from the leader");
+        Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
-        Ok(None)
+        let path = self.snapshots.join("current");
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_err(e)),
+        };
+        let f: SnapshotFile = postcard::from_bytes(&bytes)
+            .map_err(|e| io_err(format!("{} does not decode: {e}", path.display())))?;
+        Ok(Some(Snapshot {
+            meta: f.meta,
+            snapshot: Box::new(std::io::Cursor::new(f.data)),
+        }))
     }
 }
 
-/// The log is never compacted yet (`SnapshotPolicy::Never`, no purge): a node that missed
-/// entries replays them from the leader's log, which keeps all of them.
-pub struct NoSnapshots;
+/// Keep `data` as the current snapshot: written beside, fsynced, renamed over `current`.
+fn write_snapshot(
+    dir: &std::path::Path,
+    meta: &SnapshotMeta,
+    data: Vec<u8>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    let bytes = postcard::to_stdvec(&SnapshotFile {
+        meta: meta.clone(),
+        data,
+    })
+    .map_err(std::io::Error::other)?;
+    let tmp = dir.join("current.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&bytes)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join("current"))?;
+    std::fs::File::open(dir)?.sync_all()
+}
 
-impl RaftSnapshotBuilder<TypeConfig> for NoSnapshots {
+/// Writes out the snapshot `get_snapshot_builder` took.
+pub struct Builder {
+    meta: SnapshotMeta,
+    taken: Option<Result<Vec<u8>, StorageError>>,
+    dir: std::path::PathBuf,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for Builder {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
-        Err(io_err("snapshots are not built by this version"))
+        let data = self
+            .taken
+            .take()
+            .unwrap_or_else(|| Err(io_err("the snapshot was built already")))?;
+        let (dir, meta, copy) = (self.dir.clone(), self.meta.clone(), data.clone());
+        tokio::task::spawn_blocking(move || write_snapshot(&dir, &meta, copy))
+            .await
+            .map_err(io_err)?
+            .map_err(io_err)?;
+        tracing::info!(snapshot = %self.meta.snapshot_id, bytes = data.len(), "snapshot built");
+        Ok(Snapshot {
+            meta: self.meta.clone(),
+            snapshot: Box::new(std::io::Cursor::new(data)),
+        })
     }
 }

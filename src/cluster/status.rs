@@ -18,6 +18,9 @@ pub struct ClusterStatus {
     pub commit_index: Option<u64>,
     pub applied_index: Option<u64>,
     pub last_log_index: Option<u64>,
+    /// The last entry in this node's latest snapshot, and the last entry purged from its log.
+    pub snapshot_index: Option<u64>,
+    pub purged_index: Option<u64>,
     /// Milliseconds since a majority last acknowledged this leader (leader only).
     pub millis_since_quorum_ack: Option<u64>,
     pub nodes: Vec<NodeStatus>,
@@ -89,6 +92,8 @@ pub fn status(rep: &Replication) -> Option<ClusterStatus> {
         commit_index: rep.log.get().and_then(|l| l.committed_index()),
         applied_index: m.last_applied.map(|l| l.index),
         last_log_index: m.last_log_index,
+        snapshot_index: m.snapshot.map(|l| l.index),
+        purged_index: m.purged.map(|l| l.index),
         millis_since_quorum_ack: m.millis_since_quorum_ack,
         nodes,
     })

@@ -118,6 +118,13 @@ pub trait Store: Send + Sync {
     /// The position last written by [`Store::write_applied`] (None: never).
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError>;
 
+    /// Everything the store keeps that a replica must have, as ops that rebuild it on an
+    /// empty store: users, exchanges, queues, bindings, then each queue's stored messages in
+    /// key order (one `Enqueue` per queue and message). Spilled transient messages are local
+    /// and left out. Changes nothing (unlike `recover`). For a cluster's snapshot, taken while
+    /// nothing writes.
+    fn snapshot(&self) -> Result<Vec<Op>, StoreError>;
+
     /// The stored definitions and a summary of each queue's messages. Transient messages
     /// spilled by the previous run are deleted.
     fn recover(&self) -> Result<Recovered, StoreError>;
@@ -164,6 +171,10 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
         (**self).applied()
     }
 
+    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
+        (**self).snapshot()
+    }
+
     fn recover(&self) -> Result<Recovered, StoreError> {
         (**self).recover()
     }
@@ -201,6 +212,10 @@ impl<T: Store + ?Sized> Store for Box<T> {
 
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
         (**self).applied()
+    }
+
+    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
+        (**self).snapshot()
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {

@@ -65,11 +65,18 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     pub dir: tempfile::TempDir,
     peers: String,
+    /// Extra `warren server` arguments for every node.
+    pub extra: Vec<String>,
 }
 
 impl Cluster {
     /// `n` nodes on free loopback ports, each with its own data folder.
     pub fn start(n: u64) -> Cluster {
+        Self::start_with(n, &[])
+    }
+
+    /// Like `start`, every node with `extra` arguments.
+    pub fn start_with(n: u64, extra: &[&str]) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let mut nodes: Vec<Node> = (1..=n)
             .map(|id| Node {
@@ -89,6 +96,7 @@ impl Cluster {
             nodes: Vec::new(),
             dir,
             peers,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         for node in nodes.iter_mut() {
             c.spawn(node);
@@ -105,6 +113,7 @@ impl Cluster {
             .args(["--peers", &self.peers])
             .args(["--amqp-listen", &format!("127.0.0.1:{}", node.amqp)])
             .args(["--management-listen", &format!("127.0.0.1:{}", node.http)])
+            .args(&self.extra)
             .arg("--data-dir")
             .arg(&data)
             .env("WARREN_LOG", "warn,openraft=error")
@@ -456,4 +465,99 @@ async fn a_node_is_added_from_the_command_line_catches_up_and_is_removed() {
     // Removing a node that is not there is an error, said so.
     let (ok, out) = ctl(&c.nodes[leader], &["cluster", "remove", "9"]);
     assert!(!ok, "{out}");
+}
+
+/// Publish `n` confirmed messages one at a time: `n` log entries.
+async fn publish_one_by_one(conn: &Connection, queue: &str, from: u32, n: u32) {
+    for i in from..from + n {
+        publish_confirmed(conn, queue, i, 1).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up_from_one() {
+    let mut c = Cluster::start_with(3, &["--raft-snapshot-every", "40"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "snap").await;
+    // Far more entries than a snapshot's interval: the log before the last snapshot goes.
+    publish_one_by_one(&conn, "snap", 0, 150).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = c.nodes[leader].status().unwrap();
+        if s["snapshot_index"].as_u64().unwrap_or(0) > 0
+            && s["purged_index"].as_u64().unwrap_or(0) > 0
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no snapshot and purge on the leader: {s}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Some consumed: the snapshot holds what is left, not what was ever published.
+    let ch = conn.create_channel().await.unwrap();
+    for _ in 0..20 {
+        ch.basic_get("snap".into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    publish_one_by_one(&conn, "snap", 150, 60).await;
+    replicated(&c, "snap", 190, Duration::from_secs(10)).await;
+    // A node added now cannot get the log from its start: it gets a snapshot, then the log.
+    let extra = c.start_extra();
+    let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
+    let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "4", &raft]);
+    assert!(ok, "{out}");
+    publish_confirmed(&conn, "snap", 1000, 5).await;
+    replicated(&c, "snap", 195, Duration::from_secs(20)).await;
+    let s = c.nodes[extra].status().unwrap();
+    assert!(s["snapshot_index"].as_u64().unwrap_or(0) > 0, "{s}");
+    // A follower down while the log moves past a snapshot and is reclaimed catches up from
+    // a snapshot when it is back.
+    let behind = (leader + 1) % 3;
+    let matched = c.nodes[leader].status().unwrap()["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"].as_u64() == Some(c.nodes[behind].id))
+        .and_then(|n| n["matched_index"].as_u64())
+        .unwrap();
+    c.nodes[behind].kill();
+    publish_one_by_one(&conn, "snap", 2000, 120).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.nodes[leader].status().unwrap()["purged_index"]
+        .as_u64()
+        .unwrap_or(0)
+        <= matched
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the log was not reclaimed past the stopped follower"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    c.restart(behind);
+    replicated(&c, "snap", 315, Duration::from_secs(20)).await;
+    // After a failover the new leader serves exactly those.
+    c.nodes[leader].kill();
+    drop(conn);
+    let new_leader = c.leader(Duration::from_secs(10)).await;
+    let conn = connect(&c.nodes[new_leader].url()).await;
+    let ch = conn.create_channel().await.unwrap();
+    let q = ch
+        .queue_declare(
+            "snap".into(),
+            QueueDeclareOptions {
+                durable: true,
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 315);
 }
