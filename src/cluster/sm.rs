@@ -6,9 +6,10 @@
 //! store write, then the confirms and *-ok replies). Every other entry (on followers, on a
 //! node replaying its log after a restart, on a node that was leader in an earlier term) is
 //! decoded and applied op by op. Either way the store write carries the applied position in
-//! the same atomic write (`Store::write_applied`), and `apply` returns only once it is done:
-//! the store never holds a change without the position that covers it, nor a position ahead
-//! of what it holds.
+//! the same atomic write (`Store::write_applied`): the store never holds a change without the
+//! position that covers it, nor a position ahead of what it holds (after a crash the node
+//! applies again from the position its store has). `apply` waits for the previous apply's
+//! write, so two are in flight and the committer can merge them.
 
 // openraft's StorageError is what its traits return (224 bytes): not ours to box.
 #![allow(clippy::result_large_err)]
@@ -38,6 +39,8 @@ pub struct StateMachine {
     snapshots: std::path::PathBuf,
     /// Snapshots built by this process (their ids stay unique).
     built: u64,
+    /// The last apply's store write, not yet known done.
+    writing: Option<tokio::sync::oneshot::Receiver<bool>>,
 }
 
 /// A snapshot file: postcard of this.
@@ -74,7 +77,35 @@ impl StateMachine {
             applied,
             snapshots,
             built: 0,
+            writing: None,
         })
+    }
+}
+
+impl StateMachine {
+    /// Wait for an apply's store write.
+    async fn written(
+        &mut self,
+        write: Option<tokio::sync::oneshot::Receiver<bool>>,
+    ) -> Result<(), StorageError> {
+        match write {
+            None => Ok(()),
+            Some(rx) => {
+                match rx.await {
+                    Ok(true) => Ok(()),
+                    _ => {
+                        error!("the store failed to write applied entries; this node stops replicating");
+                        Err(io_err("the store failed to write applied entries"))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Wait until every applied entry is in the store.
+    async fn settle(&mut self) -> Result<(), StorageError> {
+        let w = self.writing.take();
+        self.written(w).await
     }
 }
 
@@ -165,22 +196,22 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             let applied = postcard::to_stdvec(&self.applied).map_err(io_err)?;
             committer.submit_group(parts, applied, done_tx);
         }
-        match done_rx.await {
-            Ok(true) => Ok(vec![(); n]),
-            _ => {
-                error!("the store failed to write applied entries; this node stops replicating");
-                Err(io_err("the store failed to write applied entries"))
-            }
-        }
+        // The previous apply's write, not this one's: two writes in flight let the committer
+        // merge consecutive entries into one store write (a message stored by one entry and
+        // acknowledged by the next is then never written, as on the leader).
+        let previous = self.writing.replace(done_rx);
+        self.written(previous).await?;
+        Ok(vec![(); n])
     }
 
-    /// Runs between two applies: the store then holds exactly the applied entries (each
-    /// apply returns once its write is done), so the snapshot is taken here, whole, and the
-    /// builder only writes it out.
+    /// Runs between two applies: once the last apply's write is done the store holds exactly
+    /// the applied entries, so the snapshot is taken here, whole, and the builder only writes
+    /// it out.
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         self.built += 1;
         let applied = self.applied.clone();
-        let taken = (|| {
+        let settled = self.settle().await;
+        let taken = settled.and_then(|()| {
             let store = self
                 .shared
                 .store
@@ -188,7 +219,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 .ok_or_else(|| io_err("a cluster node needs a store"))?;
             let ops = store.snapshot().map_err(io_err)?;
             warren_storage::op_codec::encode_ops(&ops).map_err(io_err)
-        })();
+        });
         let id = format!(
             "{}-{}-{}",
             applied.log_id.map(|l| l.leader_id.term).unwrap_or(0),
@@ -218,6 +249,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         meta: &SnapshotMeta,
         snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
+        self.settle().await?;
         let data = snapshot.into_inner();
         let ops = warren_storage::op_codec::decode_ops(bytes::Bytes::from(data.clone())).map_err(
             |e| {
