@@ -327,7 +327,17 @@ async fn watch_leadership(
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(LEASE_TICK_MS));
     let mut lapsed = false;
     let mut fresh = true;
+    // When this loop last read the metrics (ms since `epoch`).
+    let mut read_at: u64 = 0;
     loop {
+        // Metrics come when something changes: a leader cut off from its followers stops
+        // hearing, so its last figure ages. A figure not read before was reported after the
+        // last read (the watch channel marks what was read), so its age counts from then,
+        // not from now: counting from now would stretch the lease by however long the figure
+        // waited to be read, without bound if the process was frozen (SIGSTOP, a paused VM)
+        // between openraft reporting it and this loop reading it.
+        fresh |= metrics.has_changed().unwrap_or(false);
+        let now = rep.mono_ms();
         let m = metrics.borrow_and_update().clone();
         // A node removed from the membership stops its Raft (it would campaign forever).
         let listed = m.membership_config.membership().get_node(&rep.me).is_some();
@@ -343,11 +353,10 @@ async fn watch_leadership(
         }
         member |= listed;
         if let (Some(since), true) = (m.millis_since_quorum_ack, fresh) {
-            // Metrics come when something changes: a leader cut off from its followers
-            // stops hearing, so its last figure ages from when it was seen (now).
-            let until = rep.mono_ms().saturating_sub(since) + LEASE_MS;
+            let until = read_at.saturating_sub(since) + LEASE_MS;
             rep.lease_until.store(until, Ordering::Release);
         }
+        read_at = now;
         let expired = rep.is_leader() && !rep.lease_valid();
         if expired && !lapsed {
             warn!(

@@ -23,6 +23,10 @@ pub struct Node {
     pub http: u16,
     pub raft: u16,
     pub child: Option<std::process::Child>,
+    /// Where the process's stderr goes (appended to across restarts), when it is captured.
+    pub log: Option<std::path::PathBuf>,
+    /// Stopped by SIGSTOP: nothing asks it anything (it would not answer).
+    pub paused: bool,
 }
 
 impl Drop for Node {
@@ -32,10 +36,104 @@ impl Drop for Node {
 }
 
 impl Node {
+    /// Node `id` on free loopback ports, not started.
+    pub fn new(id: u64) -> Node {
+        Node {
+            id,
+            amqp: free_port(),
+            http: free_port(),
+            raft: free_port(),
+            child: None,
+            log: None,
+            paused: false,
+        }
+    }
+
+    fn placeholder() -> Node {
+        Node {
+            id: 0,
+            amqp: 0,
+            http: 0,
+            raft: 0,
+            child: None,
+            log: None,
+            paused: false,
+        }
+    }
+
+    /// SIGKILL (works on a stopped process too).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        self.paused = false;
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("a running node").id()
+    }
+
+    /// `kill -<sig> <pid>` (no libc here).
+    pub fn signal(&self, sig: &str) {
+        let st = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(st.success(), "kill -{sig} {}: {st}", self.pid());
+    }
+
+    /// SIGSTOP: the process is frozen, its sockets stay open. Returns once every thread of
+    /// it is stopped (state `T` in `/proc/<pid>/task/*/stat`).
+    pub fn pause(&mut self) {
+        self.signal("STOP");
+        self.paused = true;
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let tasks = format!("/proc/{}/task", self.pid());
+        loop {
+            let all_stopped = std::fs::read_dir(&tasks)
+                .expect("the node's threads")
+                .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+                // `pid (comm) S ...`: the state follows the last ')'.
+                .all(|stat| {
+                    stat.rsplit_once(')')
+                        .is_some_and(|(_, rest)| rest.trim_start().starts_with(['T', 't']))
+                });
+            if all_stopped {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{tasks}: not all stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// SIGCONT.
+    pub fn resume(&mut self) {
+        self.signal("CONT");
+        self.paused = false;
+    }
+
+    /// What the node has logged so far (empty when its stderr is not captured).
+    pub fn log_text(&self) -> String {
+        self.log
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// The first line of its log containing every one of `parts`, waiting up to `within`.
+    pub async fn log_line(&self, parts: &[&str], within: Duration) -> Option<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let text = self.log_text();
+            if let Some(line) = text.lines().find(|l| parts.iter().all(|p| l.contains(p))) {
+                return Some(line.to_owned());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
@@ -43,21 +141,27 @@ impl Node {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.amqp)
     }
 
+    /// `GET path` on this node's HTTP port (None while it does not answer within 2 s).
+    fn http_get(&self, path: &str, auth: bool) -> Option<serde_json::Value> {
+        let mut req = ureq::get(&format!("http://127.0.0.1:{}{path}", self.http))
+            .config()
+            .timeout_global(Some(Duration::from_secs(2)))
+            .build();
+        if auth {
+            req = req.header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
+        }
+        let mut r = req.call().ok()?;
+        serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+    }
+
     /// `GET /api/cluster` on this node (None while it does not answer).
     pub fn status(&self) -> Option<serde_json::Value> {
-        let mut r = ureq::get(&format!("http://127.0.0.1:{}/api/cluster", self.http))
-            .call()
-            .ok()?;
-        serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+        self.http_get("/api/cluster", false)
     }
 
     /// `GET path` on this node's management API as guest.
     pub fn get(&self, path: &str) -> Option<serde_json::Value> {
-        let mut r = ureq::get(&format!("http://127.0.0.1:{}{path}", self.http))
-            .header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")
-            .call()
-            .ok()?;
-        serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
+        self.http_get(path, true)
     }
 }
 
@@ -75,18 +179,19 @@ impl Cluster {
         Self::start_with(n, &[])
     }
 
+    /// [`Cluster::start`], each node's stderr (`WARREN_LOG=warn`) in `<dir>/n<id>.log`.
+    pub fn start_logged(n: u64) -> Cluster {
+        Self::start_opts(n, &[], true)
+    }
+
     /// Like `start`, every node with `extra` arguments.
     pub fn start_with(n: u64, extra: &[&str]) -> Cluster {
+        Self::start_opts(n, extra, false)
+    }
+
+    fn start_opts(n: u64, extra: &[&str], logged: bool) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let mut nodes: Vec<Node> = (1..=n)
-            .map(|id| Node {
-                id,
-                amqp: free_port(),
-                http: free_port(),
-                raft: free_port(),
-                child: None,
-            })
-            .collect();
+        let mut nodes: Vec<Node> = (1..=n).map(Node::new).collect();
         let peers = nodes
             .iter()
             .map(|n| format!("{}=127.0.0.1:{}", n.id, n.raft))
@@ -99,56 +204,75 @@ impl Cluster {
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         for node in nodes.iter_mut() {
+            if logged {
+                node.log = Some(c.log_path(node.id));
+            }
             c.spawn(node);
         }
         c.nodes = nodes;
         c
     }
 
+    /// The `--peers` the cluster's nodes were started with.
+    pub fn peers(&self) -> &str {
+        &self.peers
+    }
+
+    /// Where node `id`'s stderr goes when captured (beside its data folder).
+    pub fn log_path(&self, id: u64) -> std::path::PathBuf {
+        self.dir.path().join(format!("n{id}.log"))
+    }
+
     fn spawn(&self, node: &mut Node) {
-        let data = self.dir.path().join(format!("n{}", node.id));
+        self.spawn_with(node, &self.peers, "");
+    }
+
+    /// Start `node` with `--peers peers`, its data in `<dir>/n<id><suffix>`; its stderr goes
+    /// to `node.log` when set (appended, with `WARREN_LOG=warn`), else to the test's.
+    pub fn spawn_with(&self, node: &mut Node, peers: &str, suffix: &str) {
+        let data = self.dir.path().join(format!("n{}{suffix}", node.id));
+        let (stderr, filter) = match &node.log {
+            Some(path) => (
+                std::process::Stdio::from(
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(path)
+                        .expect("open the node's log file"),
+                ),
+                "warn",
+            ),
+            None => (std::process::Stdio::inherit(), "warn,openraft=error"),
+        };
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
             .args(["server", "--node-id", &node.id.to_string()])
             .args(["--raft-listen", &format!("127.0.0.1:{}", node.raft)])
-            .args(["--peers", &self.peers])
+            .args(["--peers", peers])
             .args(["--amqp-listen", &format!("127.0.0.1:{}", node.amqp)])
             .args(["--management-listen", &format!("127.0.0.1:{}", node.http)])
             .args(&self.extra)
             .arg("--data-dir")
             .arg(&data)
-            .env("WARREN_LOG", "warn,openraft=error")
+            .env("WARREN_LOG", filter)
+            .env("NO_COLOR", "1")
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start warren");
         node.child = Some(child);
+        node.paused = false;
     }
 
     /// Start one more node, not among the initial `--peers` (it waits to be added).
     pub fn start_extra(&mut self) -> usize {
-        let mut node = Node {
-            id: self.nodes.len() as u64 + 1,
-            amqp: free_port(),
-            http: free_port(),
-            raft: free_port(),
-            child: None,
-        };
+        let mut node = Node::new(self.nodes.len() as u64 + 1);
         self.spawn(&mut node);
         self.nodes.push(node);
         self.nodes.len() - 1
     }
 
     pub fn restart(&mut self, i: usize) {
-        let mut node = std::mem::replace(
-            &mut self.nodes[i],
-            Node {
-                id: 0,
-                amqp: 0,
-                http: 0,
-                raft: 0,
-                child: None,
-            },
-        );
+        let mut node = std::mem::replace(&mut self.nodes[i], Node::placeholder());
         node.kill();
         self.spawn(&mut node);
         self.nodes[i] = node;
@@ -163,7 +287,7 @@ impl Cluster {
                 .nodes
                 .iter()
                 .enumerate()
-                .filter(|(_, n)| n.child.is_some())
+                .filter(|(_, n)| n.child.is_some() && !n.paused)
                 .filter_map(|(i, n)| n.status().map(|s| (i, s)))
                 .collect();
             let serving: Vec<usize> = live
@@ -225,7 +349,7 @@ fn ctl(node: &Node, args: &[&str]) -> (bool, String) {
     (out.status.success(), text)
 }
 
-async fn connect(url: &str) -> Connection {
+pub async fn connect(url: &str) -> Connection {
     let deadline = Instant::now() + WAIT;
     loop {
         match Connection::connect(url, ConnectionProperties::default()).await {
@@ -238,7 +362,7 @@ async fn connect(url: &str) -> Connection {
     }
 }
 
-async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32) {
+pub async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32) {
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
@@ -262,7 +386,7 @@ async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32) {
     }
 }
 
-async fn declare(conn: &Connection, queue: &str) {
+pub async fn declare(conn: &Connection, queue: &str) {
     let ch = conn.create_channel().await.unwrap();
     ch.queue_declare(
         queue.into(),
@@ -277,9 +401,9 @@ async fn declare(conn: &Connection, queue: &str) {
 }
 
 /// Messages of `queue` on every live node's management API equal `n`, within `within`.
-async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
+pub async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
     let deadline = Instant::now() + within;
-    for node in c.nodes.iter().filter(|n| n.child.is_some()) {
+    for node in c.nodes.iter().filter(|n| n.child.is_some() && !n.paused) {
         loop {
             let count = node
                 .get(&format!("/api/queues/%2f/{queue}"))

@@ -7,6 +7,7 @@ mod common;
 mod basic;
 mod channel;
 mod cluster;
+mod cluster_faults;
 mod confirm_tx;
 mod connection;
 mod crash;
