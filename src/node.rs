@@ -211,10 +211,23 @@ impl BrokerGuard<'_> {
             let before = ops.len();
             ops.retain(|op| matches!(op, warren_storage::Op::Spill { .. }));
             if ops.len() != before {
+                // A command that ran anyway (connections stop executing once the node does
+                // not lead, so this is a race at the moment of demotion): undo it and tell its
+                // waiter it failed (a confirm would be a lie), then the broker is rebuilt from
+                // the store, so it holds nothing the cluster did not agree on.
                 tracing::error!(
                     dropped = before - ops.len(),
-                    "changes made on a node that does not lead were not stored"
+                    "changes made on a node that does not lead were not stored: undone"
                 );
+                if let Some(n) = &self.notify {
+                    let _ = n.send(Done { ticket, ok: false });
+                }
+                if let Err(e) = self.shared.rebuild_broker(&mut self.guard) {
+                    tracing::error!(error = %e, "rebuilding the broker from the store failed; stopping");
+                    std::process::exit(1);
+                }
+                committer.submit(ticket, ops, None);
+                return Some(ticket);
             }
         }
         Some(committer.submit(ticket, ops, self.notify.clone()))

@@ -282,6 +282,25 @@ impl Session {
                 _ => Next::Closing,
             };
         }
+        if self.phase == Phase::Open && !self.shared.serves_clients() {
+            // This node stopped leading (or never led: a client it did not hand to the
+            // leader): no command runs here any more, not even the frames already read, since
+            // a change on a node that does not lead is one the cluster never agreed on. 320,
+            // and the client reconnects (through any node, to the leader).
+            let leader = match self
+                .shared
+                .replication
+                .as_ref()
+                .and_then(|r| r.leader_info())
+            {
+                Some((id, n)) => format!("node {id} at {}", n.amqp),
+                None => "not known yet".into(),
+            };
+            self.force_close(&format!(
+                "this node does not lead the cluster; the leader is {leader}"
+            ));
+            return Next::Closing;
+        }
         let channel = frame.channel();
         match self.dispatch(frame) {
             Ok(next) => next,

@@ -84,10 +84,6 @@ async fn a_leader_frozen_by_sigstop_fails_over_and_comes_back_a_follower() {
 /// publishes with confirms in flight when it freezes. None published into it may be
 /// confirmed or kept, by it or anyone; confirms of what it committed before may come late.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "broker defect: a deposed leader still runs the commands its closing connections \
-            had buffered; BrokerGuard::flush drops their replicated ops yet reports them \
-            committed (publishes confirmed, then lost) and keeps them in memory (the follower's \
-            broker diverges from its store)"]
 async fn a_leader_frozen_by_sigstop_confirms_nothing_it_held() {
     frozen_leaders(true).await;
 }
