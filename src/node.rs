@@ -355,6 +355,7 @@ impl Shared {
                                 .unwrap_or_default()
                         }),
                         raft,
+                        incarnation: 0,
                     }
                 },
                 crate::cluster::cluster_id(&c.peers),

@@ -73,6 +73,8 @@ pub struct Replication {
     /// other leader can exist. Past it, nothing is delivered and the node steps down.
     lease_until: AtomicU64,
     epoch: std::time::Instant,
+    /// See `NodeInfo::incarnation` (set when the log is opened).
+    incarnation: AtomicU64,
 }
 
 impl std::fmt::Debug for Replication {
@@ -98,6 +100,15 @@ impl Replication {
             log: OnceLock::new(),
             lease_until: AtomicU64::new(0),
             epoch: std::time::Instant::now(),
+            incarnation: AtomicU64::new(0),
+        }
+    }
+
+    /// This node's membership data: its addresses and incarnation.
+    pub fn node_info(&self) -> NodeInfo {
+        NodeInfo {
+            incarnation: self.incarnation.load(Ordering::Acquire),
+            ..self.info.clone()
         }
     }
 
@@ -176,6 +187,19 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     let log = log_store::LogStore::open(&dir)
         .with_context(|| format!("opening the Raft log in {}", dir.display()))?;
     let _ = rep.log.set(log.clone());
+    let incarnation = match log.get_meta_json::<u64>("incarnation")? {
+        Some(i) => i,
+        None => {
+            let i = rand::random::<u64>() | 1;
+            log.put_meta_json("incarnation", &i, true)?;
+            i
+        }
+    };
+    rep.incarnation.store(incarnation, Ordering::Release);
+    // No amnesiac votes: a node that was a member and lost its log must not vote as if it had
+    // never acknowledged anything (the members' record of it says), and a new log never forms
+    // a cluster of its own beside one that exists.
+    let formed_elsewhere = fresh_log && refuse_if_wiped(&rep, &cfg).await?;
     let sm = sm::StateMachine::new(shared.clone(), rep.clone())?;
     let config = openraft::Config {
         cluster_name: rep.cluster_id.clone(),
@@ -208,10 +232,10 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         raft.clone(),
         rep.cluster_id.clone(),
         rep.me,
-        Some(rep.info.clone()),
+        Some(rep.node_info()),
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
-    if !cfg.peers.contains_key(&rep.me) {
+    if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
         info!(
             node_id = rep.me,
             "not an initial member (--peers does not list it): waiting to be added with \
@@ -255,6 +279,41 @@ const LEASE_TICK_MS: u64 = 25;
 
 /// Entries between snapshots by default (each entry is a batch of changes).
 pub const SNAPSHOT_EVERY: u64 = 20_000;
+
+/// Refuse to start a node whose Raft log is new while a reachable member still records it with
+/// an incarnation (it ran before, and its data was lost). A node that never ran (a late first
+/// start) has none recorded and goes on.
+/// Returns whether a reachable member belongs to a formed cluster (a new node then waits to be
+/// added instead of forming one).
+async fn refuse_if_wiped(
+    rep: &Replication,
+    cfg: &crate::config::ClusterConfig,
+) -> anyhow::Result<bool> {
+    let mut formed = false;
+    for (id, addr) in cfg.peers.iter().filter(|(id, _)| **id != rep.me) {
+        let probe = net::probe(addr, &rep.cluster_id, rep.me, *id);
+        let Ok(Ok((known, initialized))) =
+            tokio::time::timeout(std::time::Duration::from_secs(2), probe).await
+        else {
+            continue;
+        };
+        formed |= initialized;
+        if let Some(k) = known.filter(|k| k.incarnation != 0) {
+            anyhow::bail!(
+                "node {me} is a member of cluster {cluster} (node {id} records it, incarnation \
+                 {inc:x}) but its Raft log in its data folder is new: its data was lost, and a \
+                 member that forgot what it acknowledged must not vote. To bring it back, run \
+                 `warren ctl cluster remove {me}` on a running node, then start this node again \
+                 (it waits) and add it with `warren ctl cluster add {me} {raft}`",
+                me = rep.me,
+                cluster = rep.cluster_id,
+                inc = k.incarnation,
+                raft = rep.info.raft,
+            );
+        }
+    }
+    Ok(formed)
+}
 
 /// Proposals in flight at once: while one is being fsynced and replicated, the next gathers
 /// everything that arrives (openraft 0.9 fsyncs each entry on its own).
@@ -444,7 +503,7 @@ fn update_addresses(
     let membership = m.membership_config.membership();
     let mut changed: BTreeMap<NodeId, NodeInfo> = BTreeMap::new();
     let mut known = learned.lock().clone();
-    known.insert(rep.me, rep.info.clone());
+    known.insert(rep.me, rep.node_info());
     for (id, info) in known {
         match membership.get_node(&id) {
             Some(current) if current.raft == info.raft && *current != info => {

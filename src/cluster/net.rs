@@ -135,6 +135,13 @@ enum Response {
     /// its followers' in the membership from these).
     HelloOk {
         info: Option<NodeInfo>,
+        /// What the answering node's membership records of the connecting node (a node that
+        /// lost its data learns from it that it was a member).
+        #[serde(default)]
+        known: Option<NodeInfo>,
+        /// Whether the answering node belongs to a formed cluster (has a membership).
+        #[serde(default)]
+        initialized: bool,
     },
     Refused {
         reason: String,
@@ -300,8 +307,19 @@ async fn serve_conn(
         }
     };
     let from = hello.from;
+    let (known, initialized) = {
+        let m = raft.metrics();
+        let m = m.borrow();
+        let membership = m.membership_config.membership();
+        (
+            membership.get_node(&from).cloned(),
+            membership.voter_ids().next().is_some(),
+        )
+    };
     let ok = match encode(&Response::HelloOk {
         info: (*info).clone(),
+        known,
+        initialized,
     }) {
         Ok(ok) => ok,
         Err(e) => {
@@ -481,8 +499,26 @@ fn encode_request(request: &Request) -> Result<Bytes, CallError> {
     Ok(frame)
 }
 
+/// Say hello to node `to` at `addr` as node `me` and hang up: what that node's membership
+/// records of `me` (None: not a member there), and whether it belongs to a formed cluster.
+/// Err: no answer or a refusal.
+pub async fn probe(
+    addr: &str,
+    cluster: &str,
+    me: NodeId,
+    to: NodeId,
+) -> Result<(Option<NodeInfo>, bool), String> {
+    match connect(addr, &Hello::new(cluster, me, to)).await {
+        Ok((_, _, known, initialized)) => Ok((known, initialized)),
+        Err(e) => Err(format!("{e:?}")),
+    }
+}
+
 /// Connects to `addr` and says `hello`; a refusal is logged here (with the peer's reason).
-async fn connect(addr: &str, hello: &Hello) -> Result<(Conn, Option<NodeInfo>), CallError> {
+async fn connect(
+    addr: &str,
+    hello: &Hello,
+) -> Result<(Conn, Option<NodeInfo>, Option<NodeInfo>, bool), CallError> {
     let target = hello.to;
     let unreachable = |what: String| CallError::Unreachable(AnyError::error(what));
     let stream = TcpStream::connect(addr)
@@ -498,7 +534,11 @@ async fn connect(addr: &str, hello: &Hello) -> Result<(Conn, Option<NodeInfo>), 
         .map_err(|e| unreachable(format!("handshake with node {target} at {addr}: {e}")))?;
     let reason = match conn.next().await {
         Some(Ok(frame)) => match postcard::from_bytes::<Response>(&frame) {
-            Ok(Response::HelloOk { info }) => return Ok((conn, info)),
+            Ok(Response::HelloOk {
+                info,
+                known,
+                initialized,
+            }) => return Ok((conn, info, known, initialized)),
             Ok(Response::Refused { reason }) => reason,
             Ok(other) => format!("answered the handshake with {}", other.name()),
             Err(e) => format!("undecodable handshake answer ({e})"),
@@ -545,7 +585,7 @@ impl Network {
     /// A new connection to the target, by `deadline`.
     async fn open(&self, deadline: Instant, ttl: Duration) -> Result<Conn, CallError> {
         match timeout_at(deadline, connect(&self.node.raft, &self.hello())).await {
-            Ok(Ok((conn, info))) => {
+            Ok(Ok((conn, info, _, _))) => {
                 if let Some(info) = info {
                     self.learned.lock().insert(self.target, info);
                 }
@@ -1419,7 +1459,14 @@ mod tests {
                     let mut framed = Framed::new(stream, codec(MAX_FRAME));
                     if let Some(Ok(_hello)) = framed.next().await {
                         let _ = framed
-                            .send(encode(&Response::HelloOk { info: None }).unwrap())
+                            .send(
+                                encode(&Response::HelloOk {
+                                    info: None,
+                                    known: None,
+                                    initialized: false,
+                                })
+                                .unwrap(),
+                            )
                             .await;
                     }
                     while let Some(Ok(_)) = framed.next().await {}
@@ -1498,6 +1545,7 @@ mod tests {
             raft: "10.0.0.1:7000".to_owned(),
             amqp: "10.0.0.1:5672".to_owned(),
             http: "10.0.0.1:15672".to_owned(),
+            incarnation: 7,
         };
         let membership = Membership::new(
             vec![BTreeSet::from([1, 2])],
@@ -1546,7 +1594,11 @@ mod tests {
             assert_eq!(format!("{back:?}"), format!("{request:?}"));
         }
         let responses = [
-            Response::HelloOk { info: None },
+            Response::HelloOk {
+                info: None,
+                known: None,
+                initialized: true,
+            },
             Response::Refused {
                 reason: "no".to_owned(),
             },

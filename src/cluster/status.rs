@@ -34,6 +34,8 @@ pub struct NodeStatus {
     pub http: String,
     /// voter or learner.
     pub membership: String,
+    /// See `NodeInfo::incarnation` (0 until the node has announced itself).
+    pub incarnation: u64,
     /// On the leader: the last index known to be replicated to that node.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub matched_index: Option<u64>,
@@ -74,6 +76,7 @@ pub fn status(rep: &Replication) -> Option<ClusterStatus> {
                     "learner"
                 }
                 .into(),
+                incarnation: info.incarnation,
                 matched_index: matched.flatten(),
                 lag: matched.map(|mi| {
                     m.last_log_index

@@ -15,6 +15,11 @@ pub struct NodeInfo {
     pub amqp: String,
     #[serde(default)]
     pub http: String,
+    /// Random, drawn when the node's Raft log is created: a node whose data was wiped comes
+    /// back with another one, so the cluster can tell it from the member it was (0: not
+    /// known yet).
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 impl std::fmt::Display for NodeInfo {

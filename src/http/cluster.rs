@@ -132,9 +132,8 @@ pub(super) async fn add_node(State(shared): Api, body: axum::body::Bytes) -> Res
         return change_failed(&format!("adding node {id} as a learner: {e}"));
     }
     if voter {
-        if let Err(e) = raft
-            .change_membership(openraft::ChangeMembers::AddVoterIds([id].into()), false)
-            .await
+        if let Err(e) =
+            change_membership(&raft, openraft::ChangeMembers::AddVoterIds([id].into())).await
         {
             return change_failed(&format!("making node {id} a voter: {e}"));
         }
@@ -178,7 +177,7 @@ pub(super) async fn remove_node(
     } else {
         openraft::ChangeMembers::RemoveNodes([id].into())
     };
-    if let Err(e) = raft.change_membership(change, false).await {
+    if let Err(e) = change_membership(&raft, change).await {
         return change_failed(&format!("removing node {id}: {e}"));
     }
     tracing::info!(node = id, "node removed from the cluster");
@@ -191,4 +190,25 @@ fn change_failed(reason: &str) -> Response {
         Json(serde_json::json!({"error": "membership_change_failed", "reason": reason})),
     )
         .into_response()
+}
+
+/// A membership change, retried for a while when another one is under way (the leader
+/// publishes nodes' addresses as changes of its own).
+async fn change_membership(
+    raft: &crate::cluster::types::Raft,
+    change: openraft::ChangeMembers<u64, crate::cluster::types::NodeInfo>,
+) -> Result<(), String> {
+    use openraft::error::{ChangeMembershipError, ClientWriteError, RaftError};
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match raft.change_membership(change.clone(), false).await {
+            Ok(_) => return Ok(()),
+            Err(RaftError::APIError(ClientWriteError::ChangeMembershipError(
+                ChangeMembershipError::InProgress(_),
+            ))) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }

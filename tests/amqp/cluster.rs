@@ -685,3 +685,72 @@ async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up
         .unwrap();
     assert_eq!(q.message_count(), 315);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_data_was_wiped_refuses_to_start_until_removed_and_added_again() {
+    let mut c = Cluster::start_logged(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let wiped = (leader + 1) % 3;
+    let id = c.nodes[wiped].id;
+    // The members record each node's incarnation once it has announced itself.
+    let deadline = Instant::now() + WAIT;
+    while !c.nodes[leader].status().is_some_and(|s| {
+        s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["incarnation"].as_u64().unwrap_or(0) != 0)
+    }) {
+        assert!(Instant::now() < deadline, "incarnations not recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "kept").await;
+    publish_confirmed(&conn, "kept", 0, 100).await;
+    replicated(&c, "kept", 100, WAIT).await;
+
+    c.nodes[wiped].kill();
+    std::fs::remove_dir_all(c.dir.path().join(format!("n{id}"))).unwrap();
+    c.restart(wiped);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = c.nodes[wiped].child.as_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "a wiped member started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success());
+    let log = c.nodes[wiped].log_text();
+    assert!(
+        log.contains(&format!("warren ctl cluster remove {id}")),
+        "{log}"
+    );
+    // The cluster never noticed: same leader, still confirming.
+    publish_confirmed(&conn, "kept", 100, 10).await;
+
+    // Removed, started again on the empty folder (it waits, forming nothing), added back: it
+    // gets everything.
+    c.nodes[wiped].child = None;
+    let (ok, out) = ctl(&c.nodes[leader], &["cluster", "remove", &id.to_string()]);
+    assert!(ok, "{out}");
+    c.restart(wiped);
+    let raft = format!("127.0.0.1:{}", c.nodes[wiped].raft);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.nodes[wiped].status().is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the removed node did not start again"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (ok, out) = ctl(
+        &c.nodes[leader],
+        &["cluster", "add", &id.to_string(), &raft],
+    );
+    assert!(ok, "{out}");
+    replicated(&c, "kept", 110, Duration::from_secs(10)).await;
+    let s = c.nodes[leader].status().unwrap();
+    assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
+    assert_eq!(c.leader(WAIT).await, leader);
+}
