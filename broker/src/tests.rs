@@ -517,6 +517,23 @@ impl warren_storage::Store for FlakyReads {
         self.inner.recover()
     }
 
+    fn write_applied(
+        &self,
+        ops: &[Op],
+        applied: &[u8],
+        sync: bool,
+    ) -> Result<(), warren_storage::StoreError> {
+        self.inner.write_applied(ops, applied, sync)
+    }
+
+    fn applied(&self) -> Result<Option<Vec<u8>>, warren_storage::StoreError> {
+        self.inner.applied()
+    }
+
+    fn snapshot(&self) -> Result<Vec<Op>, warren_storage::StoreError> {
+        self.inner.snapshot()
+    }
+
     fn read(
         &self,
         vhost: &str,

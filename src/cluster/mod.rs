@@ -200,6 +200,20 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     // never acknowledged anything (the members' record of it says), and a new log never forms
     // a cluster of its own beside one that exists.
     let formed_elsewhere = fresh_log && refuse_if_wiped(&rep, &cfg).await?;
+    // A data folder that ran as a single node: it grows into a cluster alone (its data becomes
+    // the first snapshot; the others are added), never into one whose other members know
+    // nothing of its data.
+    let has_data = shared.query(|b| b.has_users() || !b.queue_views(None).is_empty());
+    let grows = fresh_log && has_data;
+    if grows && (cfg.peers.len() > 1 || formed_elsewhere) {
+        anyhow::bail!(
+            "{} holds the data of a single node: start it as a cluster of one (--peers listing \
+             only node {}) to grow it into a cluster, then add the other nodes with `warren ctl \
+             cluster add`",
+            shared.config.data_dir.display(),
+            rep.me
+        );
+    }
     let sm = sm::StateMachine::new(shared.clone(), rep.clone())?;
     let config = openraft::Config {
         cluster_name: rep.cluster_id.clone(),
@@ -265,6 +279,9 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
             Err(e) => info!(error = %e, "cluster already forming"),
         }
     }
+    if grows {
+        tokio::spawn(first_snapshot(rep.clone(), raft.clone()));
+    }
     tokio::spawn(propose(shared.clone(), rep.clone(), raft.clone()));
     tokio::spawn(watch_leadership(shared, rep, raft, learned));
     Ok(())
@@ -313,6 +330,35 @@ async fn refuse_if_wiped(
         }
     }
     Ok(formed)
+}
+
+/// A grown single node, once it leads: a snapshot of its data and the log purged behind it, so
+/// the nodes added later get the data (as a snapshot) and not a log that lacks it.
+async fn first_snapshot(rep: Arc<Replication>, raft: Raft) {
+    while !rep.is_leader() {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    if let Err(e) = raft.trigger().snapshot().await {
+        error!(error = %e, "the first snapshot of a grown node failed");
+        return;
+    }
+    let mut metrics = raft.metrics();
+    let index = loop {
+        if let Some(s) = metrics.borrow_and_update().snapshot {
+            break s.index;
+        }
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    };
+    if let Err(e) = raft.trigger().purge_log(index).await {
+        error!(error = %e, "purging the log behind the first snapshot failed");
+        return;
+    }
+    info!(
+        index,
+        "a single node's data is now the cluster's first snapshot"
+    );
 }
 
 /// Proposals in flight at once: while one is being fsynced and replicated, the next gathers

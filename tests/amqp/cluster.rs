@@ -190,7 +190,11 @@ impl Cluster {
     }
 
     fn start_opts(n: u64, extra: &[&str], logged: bool) -> Cluster {
-        let dir = tempfile::tempdir().unwrap();
+        Self::start_in(tempfile::tempdir().unwrap(), n, extra, logged)
+    }
+
+    /// `n` nodes whose data folders are `<dir>/n<id>` (they may hold data already).
+    pub fn start_in(dir: tempfile::TempDir, n: u64, extra: &[&str], logged: bool) -> Cluster {
         let mut nodes: Vec<Node> = (1..=n).map(Node::new).collect();
         let peers = nodes
             .iter()
@@ -753,4 +757,38 @@ async fn a_member_whose_data_was_wiped_refuses_to_start_until_removed_and_added_
     let s = c.nodes[leader].status().unwrap();
     assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
     assert_eq!(c.leader(WAIT).await, leader);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes() {
+    // A single node, no cluster settings, with confirmed messages.
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("n1");
+    let single = super::common::spawn_binary(&data, &[]).await;
+    let conn = connect(&single.url).await;
+    declare(&conn, "old").await;
+    publish_confirmed(&conn, "old", 0, 50).await;
+    drop(conn);
+    drop(single);
+
+    // The same folder as node 1 of a cluster of one: it leads, with its data as the first
+    // snapshot; two new nodes are added and get it.
+    let mut c = Cluster::start_in(dir, 1, &[], true);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    publish_confirmed(&conn, "old", 50, 5).await;
+    for _ in 0..2 {
+        let i = c.start_extra();
+        let raft = format!("127.0.0.1:{}", c.nodes[i].raft);
+        let id = c.nodes[i].id.to_string();
+        let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", &id, &raft]);
+        assert!(ok, "{out}");
+    }
+    replicated(&c, "old", 55, Duration::from_secs(20)).await;
+    // With the grown node gone, the two new ones carry on with everything.
+    c.nodes[leader].kill();
+    let new_leader = c.leader(Duration::from_secs(10)).await;
+    let conn = connect(&c.nodes[new_leader].url()).await;
+    publish_confirmed(&conn, "old", 55, 1).await;
+    replicated(&c, "old", 56, WAIT).await;
 }
