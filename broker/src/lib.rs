@@ -466,8 +466,9 @@ impl Broker {
     /// record deliveries, so any of them may have reached a consumer before the restart (the
     /// flag means "may have been delivered"; `false` still always means "never delivered").
     pub fn mark_recovered(&mut self) {
+        let upto = self.replicated.next_message_id.saturating_sub(1);
         for q in self.replicated.queues.values_mut() {
-            q.mark_all_redelivered();
+            q.mark_all_redelivered(upto);
         }
     }
 

@@ -1229,7 +1229,10 @@ impl Queue {
         })
     }
 
-    pub fn mark_all_redelivered(&mut self) {
+    /// Every message the queue holds now goes out redelivered: in memory, staged, paged out
+    /// after a requeue, and on disk (messages with ids up to `upto`, the highest given so
+    /// far, when read back).
+    pub fn mark_all_redelivered(&mut self, upto: u64) {
         for l in self.levels.iter_mut() {
             for m in l.mem.iter_mut() {
                 m.redelivered = true;
@@ -1237,7 +1240,11 @@ impl Queue {
             for (_, m) in l.staged.iter_mut() {
                 m.redelivered = true;
             }
+            for r in l.returned.iter_mut() {
+                r.redelivered = true;
+            }
         }
+        self.redeliver_upto = self.redeliver_upto.max(upto);
     }
 
     /// Drop every ready message; returns how many, and the store keys of the dropped ones the

@@ -22,8 +22,10 @@ pub async fn serve(
     rep: Arc<Replication>,
     stop: watch::Receiver<bool>,
 ) {
+    // During an election the membership still names the old leader, whose port refuses:
+    // keep looking (bounded) rather than refusing the client at once.
     let deadline = tokio::time::Instant::now() + FIND_LEADER;
-    let leader = loop {
+    let (id, info, mut upstream) = loop {
         if rep.is_leader() {
             // Elected meanwhile: serve the client here.
             return crate::conn::serve(client, peer, shared, stop).await;
@@ -32,23 +34,19 @@ pub async fn serve(
             .leader_info()
             .filter(|(id, i)| *id != rep.me && !i.amqp.is_empty())
         {
-            break Some((id, info));
+            match TcpStream::connect(&info.amqp).await {
+                Ok(s) => break (id, info, s),
+                Err(e) => {
+                    debug!(leader = id, addr = %info.amqp, error = %e, "the leader's AMQP port is unreachable")
+                }
+            }
         }
         if tokio::time::Instant::now() >= deadline {
-            break None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let Some((id, info)) = leader else {
-        // No leader: the normal connection path refuses it with 320 and the reason.
-        return crate::conn::serve(client, peer, shared, stop).await;
-    };
-    let mut upstream = match TcpStream::connect(&info.amqp).await {
-        Ok(s) => s,
-        Err(e) => {
-            info!(leader = id, addr = %info.amqp, error = %e, "the leader's AMQP port is unreachable");
+            info!("no reachable leader: the client is refused");
+            // The normal connection path refuses it with 320 and the reason.
             return crate::conn::serve(client, peer, shared, stop).await;
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let _ = upstream.set_nodelay(true);
     debug!(leader = id, addr = %info.amqp, "proxying a client to the leader");
