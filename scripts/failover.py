@@ -45,22 +45,23 @@ import argparse
 import atexit
 import collections
 import json
-import math
 import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 import pika
-import pika.exceptions
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clusterlib import (  # noqa: E402  (Node and the rest are shared with chaos.py)
+    T0, Client, Cluster, ConnectionLost, free_base, log, now, params, pct, shut_socket, tail)
+import clusterlib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUEUE = "failover"
@@ -71,203 +72,6 @@ BUILD_CMD = (
     "\"\\\"executable\\\":\\\"[^\\\"]*\\\"\" | tail -1 > /tmp/wb/failover-exe; "
     "cp $(cut -d\\\" -f4 /tmp/wb/failover-exe) /tmp/wb/warren-failover'"
 )
-
-now = time.monotonic
-T0 = now()
-
-
-def log(msg):
-    print("[%7.2f] %s" % (now() - T0, msg), flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes
-
-
-class Node:
-    def __init__(self, nid, raft, amqp, http, data, logpath):
-        self.id, self.raft, self.amqp, self.http = nid, raft, amqp, http
-        self.data, self.logpath = data, logpath
-        self.proc = None
-        self.starts = 0
-
-    def alive(self):
-        return self.proc is not None and self.proc.poll() is None
-
-    def status(self, timeout=0.5):
-        try:
-            with urllib.request.urlopen("http://127.0.0.1:%d/api/cluster" % self.http,
-                                        timeout=timeout) as r:
-                return json.loads(r.read())
-        except Exception:
-            return None
-
-    def get(self, path, timeout=1.0):
-        req = urllib.request.Request("http://127.0.0.1:%d%s" % (self.http, path),
-                                     headers={"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q="})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except Exception:
-            return None
-
-
-def _pdeathsig():
-    # The nodes die with this script even if it is SIGKILLed.
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-class Cluster:
-    def __init__(self, binary, base_port, workdir, log_filter):
-        self.binary, self.dir, self.log_filter = binary, workdir, log_filter
-        self.nodes = []
-        for nid in (1, 2, 3):
-            self.nodes.append(Node(nid, base_port + nid, base_port + 10 + nid,
-                                   base_port + 20 + nid, os.path.join(workdir, "n%d" % nid),
-                                   os.path.join(workdir, "n%d.log" % nid)))
-        self.peers = ",".join("%d=127.0.0.1:%d" % (n.id, n.raft) for n in self.nodes)
-
-    def node(self, nid):
-        return self.nodes[nid - 1]
-
-    def args(self, n):
-        return [self.binary, "server", "--node-id", str(n.id),
-                "--raft-listen", "127.0.0.1:%d" % n.raft, "--peers", self.peers,
-                "--amqp-listen", "127.0.0.1:%d" % n.amqp,
-                "--management-listen", "127.0.0.1:%d" % n.http, "--data-dir", n.data]
-
-    def spawn(self, n):
-        n.starts += 1
-        with open(n.logpath, "a") as f:
-            f.write("==== failover.py: start %d of node %d (t=%.3f) ====\n"
-                    % (n.starts, n.id, now() - T0))
-        out = open(n.logpath, "a")
-        n.proc = subprocess.Popen(self.args(n), stdout=out, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, preexec_fn=_pdeathsig,
-                                  env=dict(os.environ, WARREN_LOG=self.log_filter))
-        out.close()
-
-    def start(self):
-        for n in self.nodes:
-            self.spawn(n)
-
-    def sigkill(self, n):
-        t = now()
-        n.proc.send_signal(signal.SIGKILL)
-        n.proc.wait()
-        return t
-
-    def kill_all(self):
-        for n in self.nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                try:
-                    n.proc.kill()
-                    n.proc.wait(timeout=5)
-                except Exception:
-                    pass
-
-    def statuses(self):
-        return {n.id: n.status() for n in self.nodes if n.alive()}
-
-    def leader(self):
-        """(leader id, its status) when exactly one live node serves and every live node that
-        answers names it (and a majority answers); else (None, statuses)."""
-        st = {k: v for k, v in self.statuses().items() if v is not None}
-        serving = [k for k, v in st.items() if v.get("serving") is True]
-        if len(serving) == 1 and len(st) * 2 > len(self.nodes):
-            lid = serving[0]
-            if all(v.get("leader_id") == lid for v in st.values()):
-                return lid, st[lid]
-        return None, st
-
-    def wait_leader(self, within):
-        deadline = now() + within
-        st = None
-        while now() < deadline:
-            lid, st = self.leader()
-            if lid is not None:
-                return lid, st
-            time.sleep(0.02)
-        return None, st
-
-
-# ---------------------------------------------------------------------------------------------
-# AMQP clients
-
-ConnectionLost = (pika.exceptions.AMQPError, OSError, ConnectionError, AssertionError,
-                  ValueError, TypeError, AttributeError, KeyError)
-
-
-def params(port):
-    return pika.ConnectionParameters(
-        host="127.0.0.1", port=port, credentials=pika.PlainCredentials("guest", "guest"),
-        heartbeat=10, socket_timeout=2, stack_timeout=8, blocked_connection_timeout=10,
-        connection_attempts=1, retry_delay=0)
-
-
-def shut_socket(conn):
-    """Break a connection from another thread (a blocked confirm wait then raises)."""
-    try:
-        conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)
-    except Exception:
-        pass
-
-
-class Client(threading.Thread):
-    """Common part: connect to the nodes in turn, remember every connection."""
-
-    def __init__(self, name, cluster, rng, stop):
-        super().__init__(name=name, daemon=True)
-        self.cluster, self.stop = cluster, stop
-        self.next_node = rng.randrange(3)
-        self.lock = threading.Lock()
-        self.conns = []  # dicts: no, node, attempt, open, first_confirm, closed, error
-        self.conn = None
-        self.busy_since = None  # set while blocked in a call with no timeout of its own
-        self.errors = collections.Counter()
-
-    def connect(self):
-        while not self.stop.is_set():
-            for _ in range(3):
-                n = self.cluster.nodes[self.next_node]
-                self.next_node = (self.next_node + 1) % 3
-                info = {"no": len(self.conns) + 1, "node": n.id, "attempt": now(), "open": None,
-                        "first_confirm": None, "closed": None, "error": None}
-                try:
-                    conn = pika.BlockingConnection(params(n.amqp))
-                    ch = self.setup(conn)
-                except ConnectionLost as e:
-                    self.errors["connect " + type(e).__name__] += 1
-                    continue
-                info["open"] = now()
-                with self.lock:
-                    self.conns.append(info)
-                self.conn = conn
-                return conn, ch, info
-            time.sleep(0.05)
-        return None, None, None
-
-    def lost(self, info, e):
-        info["closed"] = now()
-        info["error"] = "%s: %s" % (type(e).__name__, str(e)[:200])
-        self.errors[type(e).__name__] += 1
-        self.conn = None
-
-    def close(self):
-        c = self.conn
-        self.conn = None
-        if c is not None:
-            try:
-                self.busy_since = now()
-                c.close()
-            except Exception:
-                pass
-            finally:
-                self.busy_since = None
 
 
 class Publisher(Client):
@@ -388,73 +192,11 @@ class Consumer(Client):
 
 def drain(cluster, deliveries, anomalies, within=60):
     """Consume (and ack) everything left in the queue, through the leader; record deliveries."""
-    deadline = now() + within
-    while now() < deadline:
-        lid, _ = cluster.wait_leader(10)
-        if lid is None:
-            anomalies.append("drain: no serving leader")
-            return False
-        try:
-            conn = pika.BlockingConnection(params(cluster.node(lid).amqp))
-            ch = conn.channel()
-            ch.basic_qos(prefetch_count=500)
-            last = [now()]
+    def record(body, method, props):
+        deliveries.append((now(), body.decode(), bool(method.redelivered), "drain"))
 
-            def on_message(ch, method, props, body):
-                deliveries.append((now(), body.decode(), bool(method.redelivered), "drain"))
-                ch.basic_ack(method.delivery_tag)
-                last[0] = now()
+    return clusterlib.drain(cluster, QUEUE, record, anomalies, within)
 
-            ch.basic_consume(QUEUE, on_message, auto_ack=False)
-            while now() < deadline:
-                conn.process_data_events(time_limit=0.2)
-                if now() - last[0] > 2.0:
-                    ch2 = conn.channel()
-                    q = ch2.queue_declare(QUEUE, passive=True)
-                    ch2.close()
-                    if q.method.message_count == 0:
-                        conn.close()
-                        return True
-            conn.close()
-        except ConnectionLost as e:
-            anomalies.append("drain connection lost: %r" % (e,))
-            time.sleep(0.5)
-    anomalies.append("drain did not finish within %d s" % within)
-    return False
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def free_base():
-    for _ in range(200):
-        base = random.randrange(20000, 60000, 100)
-        socks = []
-        try:
-            for off in (1, 2, 3, 11, 12, 13, 21, 22, 23):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + off))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port block")
-
-
-def pct(values, p):
-    v = sorted(values)
-    return v[max(0, math.ceil(p / 100 * len(v)) - 1)]
-
-
-def tail(path, n=40):
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(collections.deque(f, n))
-    except OSError as e:
-        return str(e)
 
 
 def main():
