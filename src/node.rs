@@ -111,8 +111,11 @@ impl warren_storage::Store for SlowSync {
         self.inner.applied()
     }
 
-    fn snapshot(&self) -> Result<Vec<warren_storage::Op>, warren_storage::StoreError> {
-        self.inner.snapshot()
+    fn snapshot_to(
+        &self,
+        sink: &mut dyn warren_storage::SnapshotSink,
+    ) -> Result<(), warren_storage::StoreError> {
+        self.inner.snapshot_to(sink)
     }
 
     fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
@@ -430,9 +433,9 @@ impl Shared {
         let r = f(&mut broker, fx);
         self.apply_effects(fx);
         let mut ticket = broker.flush();
-        if let (Caller::Reply { outbox, after, .. }, Some(began)) = (&caller, began) {
+        if let (Caller::Reply { outbox, after, .. }, Some(hold)) = (&caller, began) {
             ticket = ticket.max(*after);
-            outbox.hold_end(began, ticket);
+            outbox.hold_end(hold, ticket);
         }
         (r, ticket)
     }
@@ -490,8 +493,15 @@ impl Shared {
                     delivery_tag,
                     redelivered,
                     msg,
+                    batch,
                     ..
-                } => outbox.deliver(channel, &consumer_tag, delivery_tag, redelivered, &msg),
+                } => {
+                    if let Some(rep) = &self.replication {
+                        // Not before the cluster has it (see `QueuedMessage::batch`).
+                        rep.hold_delivery(conn, outbox, batch);
+                    }
+                    outbox.deliver(channel, &consumer_tag, delivery_tag, redelivered, &msg)
+                }
                 Effect::ConsumerCancelled {
                     channel,
                     consumer_tag,

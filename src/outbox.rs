@@ -34,19 +34,34 @@ pub struct Outbox {
     pub(crate) heartbeat: AtomicU16,
     /// The broker's id for this connection once connection.open succeeded (0 before).
     pub(crate) conn_id: AtomicU64,
-    /// Replies of durable declarations wait here until their commit is fsynced (see `hold`).
-    held: Mutex<Hold>,
+    /// Bytes that wait for a commit: replies of durable declarations until their commit is
+    /// fsynced (`hold_begin`), and on a cluster's leader deliveries of messages until their
+    /// entry is committed (`hold_until`).
+    held: Mutex<Holds>,
 }
 
-/// Bytes from `from` on stay unwritten until commit `ticket` is done.
+/// Marks in the buffer, in order: the bytes from a mark's `from` on stay unwritten until its
+/// commit is done and every earlier mark's too. Several at once, each released on its own:
+/// with one region whose ticket only grew, a consumer of a steady stream of messages would
+/// wait for ever for a commit that is always one entry behind.
 #[derive(Debug, Default)]
-struct Hold {
-    active: bool,
-    /// Begun (`hold_begin`) and not yet given its ticket: nothing releases it meanwhile.
-    pending: bool,
+struct Holds {
+    marks: std::collections::VecDeque<Mark>,
+    next_id: u64,
+}
+
+#[derive(Debug)]
+struct Mark {
+    id: u64,
     from: usize,
     ticket: u64,
+    /// Begun (`hold_begin`) and not yet given its ticket: nothing releases it meanwhile.
+    pending: bool,
 }
+
+/// A hold begun by `Outbox::hold_begin`, ended by `Outbox::hold_end`.
+#[derive(Debug, Clone, Copy)]
+pub struct HoldId(u64);
 
 impl Outbox {
     pub fn new(frame_max: u32) -> Self {
@@ -119,20 +134,25 @@ impl Outbox {
         self.with(|b| b.heartbeat());
     }
 
-    /// Take everything buffered (the writer swaps in its empty buffer), up to a hold.
+    /// Take everything buffered (the writer swaps in its empty buffer), up to the first hold.
     pub(crate) fn take(&self, into: &mut OutBuffer) {
         let mut held = self.held.lock();
         let mut buf = self.buf.lock();
-        if held.active {
-            // Never past the end (move_front asserts): a hold registered late must not panic
-            // the writer.
-            let from = held.from.min(buf.len());
-            buf.move_front(from, into);
-            held.from = 0;
-            self.len.store(buf.len(), Ordering::Release);
-        } else {
-            std::mem::swap(&mut *buf, into);
-            self.len.store(0, Ordering::Release);
+        match held.marks.front() {
+            Some(first) => {
+                // Never past the end (move_front asserts): a mark registered late must not
+                // panic the writer.
+                let from = first.from.min(buf.len());
+                buf.move_front(from, into);
+                for m in held.marks.iter_mut() {
+                    m.from = m.from.saturating_sub(from);
+                }
+                self.len.store(buf.len(), Ordering::Release);
+            }
+            None => {
+                std::mem::swap(&mut *buf, into);
+                self.len.store(0, Ordering::Release);
+            }
         }
     }
 
@@ -142,70 +162,102 @@ impl Outbox {
     /// pushes to this outbox in between): the hold then starts at the reply or before it,
     /// whatever the writer takes meanwhile. (Registering the hold after the push, at a
     /// position read before it, let a busy writer send the reply first: issue 13 point 7.)
-    /// Returns whether this began a new hold (rather than extending one already waiting).
-    pub(crate) fn hold_begin(&self) -> bool {
+    pub(crate) fn hold_begin(&self) -> HoldId {
         let mut held = self.held.lock();
-        if held.active {
-            held.pending = true;
-            return false;
-        }
         let from = self.buf.lock().len();
-        *held = Hold {
-            active: true,
-            pending: true,
+        let id = held.next_id;
+        held.next_id += 1;
+        held.marks.push_back(Mark {
+            id,
             from,
             ticket: 0,
-        };
-        true
+            pending: true,
+        });
+        HoldId(id)
     }
 
-    /// The replies pushed since `hold_begin` wait for commit `ticket`; with None (nothing was
-    /// journaled), a hold `hold_begin` began is lifted (`began`), one that was already
-    /// waiting keeps waiting for its own commit.
-    pub(crate) fn hold_end(&self, began: bool, ticket: Option<u64>) {
+    /// The bytes pushed since `hold_begin` wait for commit `ticket`; with None (nothing was
+    /// journaled) the hold is lifted (what follows it still waits for later marks).
+    pub(crate) fn hold_end(&self, hold: HoldId, ticket: Option<u64>) {
         let mut held = self.held.lock();
-        if !held.active {
+        let Some(pos) = held.marks.iter().position(|m| m.id == hold.0) else {
+            return;
+        };
+        match ticket {
+            Some(t) => {
+                held.marks[pos].ticket = t;
+                held.marks[pos].pending = false;
+            }
+            None => {
+                // Its bytes go with the mark before it (or are free if it was the first).
+                held.marks.remove(pos);
+                if pos == 0 {
+                    drop(held);
+                    self.wake.notify_one();
+                }
+            }
+        }
+    }
+
+    /// Keep everything pushed from now on unwritten until commit `ticket` is done (a
+    /// delivery of a message whose entry is not committed yet). Under the broker lock, before
+    /// the push. A mark already waiting for this commit or a later one covers it.
+    pub(crate) fn hold_until(&self, ticket: u64) {
+        let mut held = self.held.lock();
+        if held
+            .marks
+            .back()
+            .is_some_and(|m| !m.pending && m.ticket >= ticket)
+        {
             return;
         }
-        held.pending = false;
-        match ticket {
-            Some(t) => held.ticket = held.ticket.max(t),
-            None if began => {
-                *held = Hold::default();
-                drop(held);
-                self.wake.notify_one();
-            }
-            None => {}
-        }
+        let from = self.buf.lock().len();
+        let id = held.next_id;
+        held.next_id += 1;
+        held.marks.push_back(Mark {
+            id,
+            from,
+            ticket,
+            pending: false,
+        });
     }
 
-    /// Commit `ticket` is durable: release a hold that waited for it (or an earlier one).
+    /// Commit `ticket` is done (and every one before it: commits are done in order): release
+    /// the holds that waited for it or an earlier one, up to the first still waiting.
     pub(crate) fn release(&self, ticket: u64) {
         let mut held = self.held.lock();
-        if held.active && !held.pending && held.ticket <= ticket {
-            *held = Hold::default();
+        let mut released = false;
+        while held
+            .marks
+            .front()
+            .is_some_and(|m| !m.pending && m.ticket <= ticket)
+        {
+            held.marks.pop_front();
+            released = true;
+        }
+        if released {
             drop(held);
             self.wake.notify_one();
         }
     }
 
-    /// Drop what a hold keeps back (the connection ends before its commit is reported).
+    /// Drop what holds keep back (the connection ends before its commits are reported).
     pub(crate) fn abandon_held(&self) {
         let mut held = self.held.lock();
-        if !held.active {
+        let Some(first) = held.marks.front() else {
             return;
-        }
+        };
         let mut buf = self.buf.lock();
         let mut front = OutBuffer::new();
-        let from = held.from.min(buf.len());
+        let from = first.from.min(buf.len());
         buf.move_front(from, &mut front);
         *buf = front;
         self.len.store(buf.len(), Ordering::Release);
-        *held = Hold::default();
+        held.marks.clear();
     }
 
     pub(crate) fn is_held(&self) -> bool {
-        self.held.lock().active
+        !self.held.lock().marks.is_empty()
     }
 
     /// Ask the writer to close the socket after flushing.

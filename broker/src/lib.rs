@@ -75,6 +75,9 @@ pub enum Effect {
         delivery_tag: u64,
         redelivered: bool,
         msg: Arc<Message>,
+        /// The journal batch that replicates the message's enqueue (`QueuedMessage::batch`):
+        /// a cluster's leader holds the delivery back until that batch is committed.
+        batch: u64,
     },
     /// The queue of a consumer went away: tell the client (consumer_cancel_notify).
     ConsumerCancelled {
@@ -186,6 +189,8 @@ pub struct GetResult {
     pub redelivered: bool,
     pub msg: Arc<Message>,
     pub message_count: u32,
+    /// See `QueuedMessage::batch`: a get-ok waits for this batch's commit on a cluster.
+    pub batch: u64,
 }
 
 /// Parameters of queue.declare, from the wire.
@@ -1569,6 +1574,7 @@ impl Broker {
                             expires_at: None,
                             returns: 0,
                             stored: false,
+                            batch: 0,
                         },
                         DropReason::MaxLen,
                     ));
@@ -1739,6 +1745,7 @@ impl Broker {
             let ttl = q.ttl(&msg);
             let expires_at = ttl.map(|t| at.saturating_add(t));
             let stored = self.log.enabled() && q.is_stored() && msg.persistent();
+            let batch = self.log.seq() + 1;
             let qm = QueuedMessage {
                 id,
                 msg: msg.clone(),
@@ -1746,8 +1753,9 @@ impl Broker {
                 expires_at,
                 returns: 0,
                 stored,
+                batch: if stored { batch } else { 0 },
             };
-            let pushed = q.push(qm, self.log.seq() + 1, at);
+            let pushed = q.push(qm, batch, at);
             let staged = pushed == Pushed::Staged;
             if pushed == Pushed::Held {
                 held.push(*qid);
@@ -1967,6 +1975,7 @@ impl Broker {
             delivery_tag,
             redelivered: false,
             msg: msg.clone(),
+            batch: 0,
         });
         true
     }
@@ -2139,6 +2148,7 @@ impl Broker {
             };
             let consumer_tag = c.tag.clone();
             let redelivered = qm.redelivered;
+            let batch = qm.batch;
             let msg = q.outgoing(&qm);
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
@@ -2166,6 +2176,7 @@ impl Broker {
                 delivery_tag: tag,
                 redelivered,
                 msg,
+                batch,
             });
         }
         if q.released() {
@@ -2211,6 +2222,7 @@ impl Broker {
             redelivered: qm.redelivered,
             msg: q.outgoing(&qm),
             message_count: q.message_count() as u32,
+            batch: qm.batch,
         };
         if no_ack {
             if qm.stored {

@@ -127,6 +127,12 @@ pub struct QueuedMessage {
     /// The store holds it for this queue (a persistent message in a stored queue, or a spilled
     /// one): taking it out must be journaled.
     pub stored: bool,
+    /// The journal batch (`Broker::journal_seq`) that records its enqueue, for a message the
+    /// journal records (0 otherwise, and for one read back from the store: written, so
+    /// committed). A cluster's leader delivers it only once that batch's entry is committed:
+    /// before, the cluster may still lose it (a leader that dies first), and a consumer must
+    /// not see a message the cluster then does not have.
+    pub batch: u64,
 }
 
 /// Why a message left a queue without being acknowledged (x-death's `reason`).
@@ -605,6 +611,7 @@ impl Queue {
                 expires_at: ttl.map(|t| m.timestamp_ms.saturating_add(t)),
                 returns: 0,
                 stored: true,
+                batch: 0,
             });
         }
         let l = &mut self.levels[level];
@@ -691,6 +698,7 @@ impl Queue {
                 expires_at: r.expires_at,
                 returns: r.returns,
                 stored: r.stored,
+                batch: 0,
             });
         }
     }

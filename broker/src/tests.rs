@@ -530,8 +530,11 @@ impl warren_storage::Store for FlakyReads {
         self.inner.applied()
     }
 
-    fn snapshot(&self) -> Result<Vec<Op>, warren_storage::StoreError> {
-        self.inner.snapshot()
+    fn snapshot_to(
+        &self,
+        sink: &mut dyn warren_storage::SnapshotSink,
+    ) -> Result<(), warren_storage::StoreError> {
+        self.inner.snapshot_to(sink)
     }
 
     fn read(

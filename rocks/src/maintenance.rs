@@ -36,7 +36,7 @@ use warren_storage::StoreError;
 const SMALL_FILE: usize = 4 << 20;
 /// Merge small files once this many sit next to each other in a level (fewer are not worth
 /// rewriting; a merged file still small joins the next run).
-const MERGE_RUN: usize = 8;
+pub(crate) const MERGE_RUN: usize = 8;
 const MERGE_EVERY: Duration = Duration::from_millis(500);
 /// Deleted ranges queue up for this long before they are compacted together.
 const RANGES_EVERY: Duration = Duration::from_millis(500);
@@ -255,8 +255,8 @@ fn compact_ranges(db: &Db, mut ranges: Vec<(Vec<u8>, Vec<u8>)>, options: &Compac
     }
 }
 
-/// Merge every run of at least [`MERGE_RUN`] neighbouring small files in a level (1 and
-/// below) of any column family; returns the number of runs merged.
+/// Merge every run of at least [`MERGE_RUN`] neighbouring small files below level 0 of any
+/// column family; returns the number of runs merged.
 pub(crate) fn merge_small_files(db: &Db) -> usize {
     let mut o = CompactOptions::default();
     o.set_exclusive_manual_compaction(false);
@@ -264,59 +264,65 @@ pub(crate) fn merge_small_files(db: &Db) -> usize {
     merge_runs(db, &o)
 }
 
-fn merge_runs(db: &Db, options: &CompactOptions) -> usize {
-    let Ok(files) = db.live_files() else {
-        return 0;
-    };
-    let mut levels: std::collections::BTreeMap<(String, i32), Vec<&LiveFile>> = Default::default();
+/// The runs of at least [`MERGE_RUN`] neighbouring small table files below level 0, as
+/// (column family, first key, last key).
+///
+/// Neighbouring in key order across every level of a column family, not within one level: level
+/// compaction moves a queue's files down one at a time as levels fill, so a flood's small files
+/// end up spread over several levels, a few in each, and runs counted level by level (the first
+/// version) were too short to merge while the files stayed (seen on a loaded CI machine). A
+/// large file in any level between two small ones ends a run, so a merge never rewrites one.
+pub(crate) fn small_file_runs(files: &[LiveFile]) -> Vec<(String, Vec<u8>, Vec<u8>)> {
+    let mut by_cf: std::collections::BTreeMap<&str, Vec<&LiveFile>> = Default::default();
     for f in files.iter().filter(|f| f.level >= 1) {
-        levels
-            .entry((f.column_family_name.clone(), f.level))
-            .or_default()
-            .push(f);
+        by_cf.entry(&f.column_family_name).or_default().push(f);
     }
-    let l0 = files.iter().filter(|f| f.level == 0).count();
-    tracing::debug!(
-        files = files.len(),
-        l0,
-        levels = ?levels.iter().map(|((cf, l), fs)| (cf.as_str(), *l, fs.len())).collect::<Vec<_>>(),
-        "table files"
-    );
-    let mut merged = 0;
-    for ((cf, _), mut level) in levels {
-        let Some(h) = db.cf_handle(&cf) else {
-            continue;
-        };
-        level.sort_by(|a, b| a.start_key.cmp(&b.start_key));
-        let mut runs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut runs = Vec::new();
+    for (cf, mut fs) in by_cf {
+        fs.sort_by(|a, b| a.start_key.cmp(&b.start_key));
         let mut run: Vec<&LiveFile> = Vec::new();
         let mut close = |run: &mut Vec<&LiveFile>| {
             if run.len() >= MERGE_RUN {
-                if let (Some(Some(s)), Some(Some(e))) = (
+                if let (Some(Some(s)), Some(e)) = (
                     run.first().map(|f| f.start_key.clone()),
-                    run.last().map(|f| f.end_key.clone()),
+                    run.iter().filter_map(|f| f.end_key.clone()).max(),
                 ) {
-                    runs.push((s, e));
+                    runs.push((cf.to_string(), s, e));
                 }
             }
             run.clear();
         };
-        for f in level {
-            if f.size < SMALL_FILE {
+        for f in fs {
+            if f.size < SMALL_FILE && f.start_key.is_some() {
                 run.push(f);
             } else {
                 close(&mut run);
             }
         }
         close(&mut run);
-        for (s, e) in runs {
-            let started = Instant::now();
-            db.compact_range_cf_opt(&h, Some(&s), Some(&e), options);
-            tracing::debug!(cf = %cf, took = ?started.elapsed(), "merged a run of small table files");
-            merged += 1;
-        }
     }
-    merged
+    runs
+}
+
+fn merge_runs(db: &Db, options: &CompactOptions) -> usize {
+    let Ok(files) = db.live_files() else {
+        return 0;
+    };
+    tracing::debug!(
+        files = files.len(),
+        l0 = files.iter().filter(|f| f.level == 0).count(),
+        "table files"
+    );
+    let runs = small_file_runs(&files);
+    for (cf, s, e) in &runs {
+        let Some(h) = db.cf_handle(cf) else {
+            continue;
+        };
+        let started = Instant::now();
+        db.compact_range_cf_opt(&h, Some(s), Some(e), options);
+        tracing::debug!(cf = %cf, took = ?started.elapsed(), "merged a run of small table files");
+    }
+    runs.len()
 }
 
 /// After a failed write: does the database still take writes? An empty write answers
@@ -438,5 +444,43 @@ fn reopen(inner: &Inner) {
                 tracing::error!(error = %e, path = %inner.path.display(), "reopening the store failed; retrying every second");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(level: i32, key: u8, size: usize) -> LiveFile {
+        LiveFile {
+            column_family_name: MESSAGES.into(),
+            name: format!("{key}.sst"),
+            size,
+            level,
+            start_key: Some(vec![key, 0]),
+            end_key: Some(vec![key, 9]),
+            num_entries: 1,
+            num_deletions: 0,
+        }
+    }
+
+    /// Small files spread over levels, a few in each, still form one run in key order; a large
+    /// file between them ends it; level 0 is left to level compaction.
+    #[test]
+    fn runs_of_small_files_are_found_across_levels() {
+        let spread: Vec<LiveFile> = (0..9)
+            .map(|k| file(1 + i32::from(k % 3), k, 1000))
+            .collect();
+        let runs = small_file_runs(&spread);
+        assert_eq!(runs.len(), 1, "{runs:?}");
+        assert_eq!(runs[0].1, vec![0, 0]);
+        assert_eq!(runs[0].2, vec![8, 9]);
+
+        let mut broken = spread;
+        broken[4].size = SMALL_FILE;
+        assert!(small_file_runs(&broken).is_empty());
+
+        let level_0: Vec<LiveFile> = (0..9).map(|k| file(0, k, 1000)).collect();
+        assert!(small_file_runs(&level_0).is_empty());
     }
 }

@@ -434,12 +434,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::cluster::types::{bytes_of, data_of};
     use crate::cluster::types::{Batch, Snapshot, SnapshotData, SnapshotMeta, StoredMembership};
     use openraft::storage::{RaftLogStorageExt, RaftStateMachine};
     use openraft::testing::{StoreBuilder, Suite};
     use openraft::{EntryPayload, RaftSnapshotBuilder};
     use serde::Deserialize;
-    use std::io::Cursor;
     use tempfile::TempDir;
 
     /// What the test state machine holds (and its snapshots carry, as JSON).
@@ -474,7 +474,7 @@ mod tests {
             sm.snapshot = Some((meta.clone(), data.clone()));
             Ok(Snapshot {
                 meta,
-                snapshot: Box::new(Cursor::new(data)),
+                snapshot: Box::new(data_of(&data)),
             })
         }
     }
@@ -511,7 +511,7 @@ mod tests {
         }
 
         async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
-            Ok(Box::new(Cursor::new(Vec::new())))
+            Ok(Box::new(data_of(b"")))
         }
 
         async fn install_snapshot(
@@ -519,7 +519,7 @@ mod tests {
             meta: &SnapshotMeta,
             snapshot: Box<SnapshotData>,
         ) -> Result<(), StorageError> {
-            let data = snapshot.into_inner();
+            let data = bytes_of(*snapshot);
             let state: SmState = serde_json::from_slice(&data).map_err(|e| {
                 StorageIOError::read_snapshot(Some(meta.signature()), AnyError::new(&e))
             })?;
@@ -533,7 +533,7 @@ mod tests {
             let sm = self.0.lock();
             Ok(sm.snapshot.as_ref().map(|(meta, data)| Snapshot {
                 meta: meta.clone(),
-                snapshot: Box::new(Cursor::new(data.clone())),
+                snapshot: Box::new(data_of(data)),
             }))
         }
     }

@@ -22,11 +22,16 @@ pub mod log_store;
 pub mod net;
 pub mod proxy;
 pub mod sm;
+pub mod snapshot;
 pub mod status;
 pub mod types;
 
+use crate::broker::ConnId;
 use crate::commit::{Done, Part};
 use crate::node::Shared;
+use crate::outbox::Outbox;
+use parking_lot::RwLock;
+use rustc_hash::FxHashMap;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -75,6 +80,12 @@ pub struct Replication {
     epoch: std::time::Instant,
     /// See `NodeInfo::incarnation` (set when the log is opened).
     incarnation: AtomicU64,
+    /// The last journal batch known committed: on the leader the last of its own entries
+    /// applied (a majority has it), on a follower the last it applied. Deliveries of messages
+    /// enqueued by a later batch wait in their outbox for it (`hold_delivery`).
+    committed: AtomicU64,
+    /// Connections whose outbox holds deliveries waiting for a commit.
+    held: parking_lot::Mutex<Vec<ConnId>>,
 }
 
 impl std::fmt::Debug for Replication {
@@ -101,7 +112,48 @@ impl Replication {
             lease_until: AtomicU64::new(0),
             epoch: std::time::Instant::now(),
             incarnation: AtomicU64::new(0),
+            committed: AtomicU64::new(0),
+            held: Default::default(),
         }
+    }
+
+    /// Whether journal batch `batch` is committed (see `committed`).
+    pub fn is_committed(&self, batch: u64) -> bool {
+        batch <= self.committed.load(Ordering::Acquire)
+    }
+
+    /// A delivery (or get-ok) of a message enqueued by journal batch `batch` is about to be
+    /// pushed to `outbox` (of connection `conn`): unless that batch is committed, what is
+    /// pushed from now on waits in the outbox until it is. Under the broker lock.
+    pub fn hold_delivery(&self, conn: ConnId, outbox: &Outbox, batch: u64) {
+        if self.is_committed(batch) {
+            return;
+        }
+        outbox.hold_until(batch);
+        let mut held = self.held.lock();
+        if !held.contains(&conn) {
+            held.push(conn);
+        }
+    }
+
+    /// Batches up to `batch` are committed: release the deliveries that waited for them.
+    /// Under the broker lock (deliveries are held under it too, so none is missed).
+    pub fn committed_upto(&self, batch: u64, outboxes: &RwLock<FxHashMap<ConnId, Arc<Outbox>>>) {
+        if self.committed.fetch_max(batch, Ordering::AcqRel) >= batch {
+            return;
+        }
+        let mut held = self.held.lock();
+        if held.is_empty() {
+            return;
+        }
+        let outboxes = outboxes.read();
+        held.retain(|conn| match outboxes.get(conn) {
+            Some(o) => {
+                o.release(batch);
+                o.is_held()
+            }
+            None => false,
+        });
     }
 
     /// This node's membership data: its addresses and incarnation.
@@ -220,7 +272,8 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         heartbeat_interval: 50,
         election_timeout_min: 150,
         election_timeout_max: 300,
-        install_snapshot_timeout: 5000,
+        // The whole transfer of a snapshot file and its install (a store of gigabytes).
+        install_snapshot_timeout: 600_000,
         max_payload_entries: 64,
         // A snapshot is the store's replicated content (`Store::snapshot`), taken every
         // `snapshot_every` entries; the log before it is purged, keeping a tenth of that so
@@ -247,6 +300,7 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         rep.cluster_id.clone(),
         rep.me,
         Some(rep.node_info()),
+        shared.config.data_dir.join("raft-snapshot"),
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
     if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
@@ -519,6 +573,8 @@ fn promote(
         p.diverged = false;
     }
     rep.leader.store(true, Ordering::Release);
+    // Everything applied so far came through the log: committed.
+    rep.committed_upto(broker.journal_seq(), &shared.outboxes);
     broker.record_ops();
     // Deliveries are the leader's own: after a failover any message may have been delivered
     // by the previous leader, so every one is redelivered=true (false keeps meaning never

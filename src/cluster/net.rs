@@ -11,12 +11,15 @@
 //!
 //! The client ([`NetworkFactory`], [`Network`]) connects lazily on the first RPC and keeps the
 //! connection; an error, a timeout, or an RPC future dropped part way (openraft puts its own
-//! timeout around most RPCs) drops it and the next RPC connects again. A snapshot travels whole,
-//! in one `Snapshot` request, on a connection of its own so heartbeats are not held behind it.
+//! timeout around most RPCs) drops it and the next RPC connects again. A snapshot travels as its
+//! file (`snapshot`), on a connection of its own so heartbeats are not held behind it: a
+//! `SnapshotBegin` (vote, meta, size), `SnapshotChunk`s of up to [`SNAPSHOT_CHUNK`] bytes read
+//! from the file, and a `SnapshotEnd`, answered once the target has installed it. The receiver
+//! writes the chunks to a file as they come, so neither side holds a snapshot in memory.
 //! The server is [`serve`].
 
 use std::future::Future;
-use std::io::{self, Cursor};
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,12 +41,17 @@ use tokio::time::{timeout, timeout_at, Instant};
 use tokio_util::codec::{Framed, LengthDelimitedCodec, LengthDelimitedCodecError};
 use tracing::{debug, warn};
 
-use super::types::{NodeId, NodeInfo, Raft, Snapshot, SnapshotMeta, TypeConfig, Vote};
+use super::types::{
+    NodeId, NodeInfo, Raft, Received, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote,
+};
 
 /// The first four bytes of every `Hello`.
 pub const MAGIC: [u8; 4] = *b"WRNR";
-/// The protocol version this node speaks (and the only one it accepts).
-pub const VERSION: u16 = 1;
+/// The protocol version this node speaks (and the only one it accepts). 2: snapshots travel
+/// in chunks.
+pub const VERSION: u16 = 2;
+/// The bytes of a snapshot file one `SnapshotChunk` carries at most.
+pub const SNAPSHOT_CHUNK: usize = 1 << 20;
 /// The longest frame body sent or accepted: 64 MiB.
 pub const MAX_FRAME: usize = 64 << 20;
 /// The longest frame accepted before the handshake: a `Hello` is a few dozen bytes, and a peer
@@ -121,11 +129,14 @@ enum Request {
     Hello(Hello),
     AppendEntries(AppendEntriesRequest<TypeConfig>),
     Vote(VoteRequest<NodeId>),
-    Snapshot {
+    /// A snapshot follows: `size` bytes of its file in `SnapshotChunk`s, then `SnapshotEnd`.
+    SnapshotBegin {
         vote: Vote,
         meta: SnapshotMeta,
-        data: Vec<u8>,
+        size: u64,
     },
+    SnapshotChunk(Bytes),
+    SnapshotEnd,
 }
 
 /// What a server answers.
@@ -201,8 +212,15 @@ fn fatal_of(e: RaftError<NodeId>) -> Fatal<NodeId> {
 /// Serves the Raft RPCs of node `me` of cluster `cluster` to the connections `listener`
 /// accepts, one task per connection. It runs until dropped (abort its task); dropping it also
 /// ends every connection it serves.
-pub async fn serve(listener: TcpListener, raft: Raft, cluster: String, me: NodeId) {
-    serve_as(listener, raft, cluster, me, None).await
+/// Received snapshots are written in `snapshots` (as `sm::RECEIVING*` files).
+pub async fn serve(
+    listener: TcpListener,
+    raft: Raft,
+    cluster: String,
+    me: NodeId,
+    snapshots: std::path::PathBuf,
+) {
+    serve_as(listener, raft, cluster, me, None, snapshots).await
 }
 
 /// [`serve`], answering each handshake with this node's addresses `info`.
@@ -212,15 +230,17 @@ pub async fn serve_as(
     cluster: String,
     me: NodeId,
     info: Option<NodeInfo>,
+    snapshots: std::path::PathBuf,
 ) {
     let cluster: Arc<str> = cluster.into();
     let info = Arc::new(info);
+    let snapshots = Arc::new(snapshots);
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    conns.spawn(serve_conn(stream, peer, raft.clone(), cluster.clone(), me, info.clone()));
+                    conns.spawn(serve_conn(stream, peer, raft.clone(), cluster.clone(), me, info.clone(), snapshots.clone()));
                 }
                 Err(e) => {
                     warn!("raft: accepting a connection failed: {e}");
@@ -269,6 +289,7 @@ async fn serve_conn(
     cluster: Arc<str>,
     me: NodeId,
     info: Arc<Option<NodeInfo>>,
+    snapshots: Arc<std::path::PathBuf>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         debug!("raft: set_nodelay on the connection from {peer}: {e}");
@@ -374,15 +395,26 @@ async fn serve_conn(
                 Ok(resp) => Response::Vote(resp),
                 Err(e) => Response::RaftError(fatal_of(e)),
             },
-            Request::Snapshot { vote, meta, data } => {
+            Request::SnapshotBegin { vote, meta, size } => {
+                let data = match receive_snapshot(&mut framed, &snapshots, size).await {
+                    Ok(data) => data,
+                    Err(e) => {
+                        warn!(%peer, "raft: dropped the connection of node {from} at {peer}: receiving snapshot {}: {e}", meta.snapshot_id);
+                        return;
+                    }
+                };
                 let snapshot = Snapshot {
                     meta,
-                    snapshot: Box::new(Cursor::new(data)),
+                    snapshot: Box::new(data),
                 };
                 match raft.install_full_snapshot(vote, snapshot).await {
                     Ok(resp) => Response::Snapshot(resp),
                     Err(fatal) => Response::RaftError(fatal),
                 }
+            }
+            Request::SnapshotChunk(_) | Request::SnapshotEnd => {
+                warn!(%peer, "raft: dropped the connection of node {from} at {peer}: a snapshot chunk outside a snapshot");
+                return;
             }
         };
         let frame = match encode(&response) {
@@ -397,6 +429,69 @@ async fn serve_conn(
             return;
         }
     }
+}
+
+/// Reads a snapshot's chunks into a new file in `dir` until `SnapshotEnd`: exactly `size`
+/// bytes, each chunk within `IDLE_TIMEOUT`. The file is removed if anything goes wrong (the
+/// `Received` guard).
+async fn receive_snapshot(
+    framed: &mut Conn,
+    dir: &std::path::Path,
+    size: u64,
+) -> Result<SnapshotData, String> {
+    use tokio::io::AsyncWriteExt;
+    let path = dir.join(format!(
+        "{}{:016x}",
+        super::sm::RECEIVING,
+        rand::random::<u64>()
+    ));
+    let file = tokio::fs::OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .await
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let received = Received::new(path.clone());
+    let mut out = tokio::io::BufWriter::with_capacity(SNAPSHOT_CHUNK, file);
+    let mut got: u64 = 0;
+    loop {
+        let frame = match timeout(IDLE_TIMEOUT, framed.next()).await {
+            Err(_) => return Err("no chunk in time".into()),
+            Ok(None) => return Err("the connection closed".into()),
+            Ok(Some(Err(e))) => return Err(format!("reading: {e}")),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        match postcard::from_bytes::<Request>(&frame) {
+            Ok(Request::SnapshotChunk(chunk)) => {
+                got += chunk.len() as u64;
+                if got > size {
+                    return Err(format!("more than the {size} bytes announced"));
+                }
+                out.write_all(&chunk)
+                    .await
+                    .map_err(|e| format!("writing {}: {e}", path.display()))?;
+            }
+            Ok(Request::SnapshotEnd) => break,
+            Ok(_) => return Err("another request inside a snapshot".into()),
+            Err(e) => return Err(format!("an undecodable frame ({e})")),
+        }
+    }
+    if got != size {
+        return Err(format!("{got} bytes of the {size} announced"));
+    }
+    out.flush()
+        .await
+        .map_err(|e| format!("writing {}: {e}", path.display()))?;
+    let file = out.into_inner().into_std().await;
+    file.sync_all()
+        .map_err(|e| format!("syncing {}: {e}", path.display()))?;
+    let file =
+        std::fs::File::open(&path).map_err(|e| format!("reopening {}: {e}", path.display()))?;
+    Ok(SnapshotData {
+        file,
+        received: Some(received),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -739,7 +834,7 @@ impl RaftNetwork<TypeConfig> for Network {
         }
     }
 
-    /// Sends the whole snapshot in one request, on a connection of its own (opened for it and
+    /// Sends the snapshot's file in chunks, on a connection of its own (opened for it and
     /// closed after), within `option.hard_ttl()` (openraft's `install_snapshot_timeout`), which
     /// covers the transfer and the target's install.
     async fn full_snapshot(
@@ -751,19 +846,57 @@ impl RaftNetwork<TypeConfig> for Network {
     ) -> Result<SnapshotResponse<NodeId>, StreamingError<TypeConfig, Fatal<NodeId>>> {
         let ttl = option.hard_ttl();
         let deadline = Instant::now() + ttl;
-        let request = Request::Snapshot {
-            vote,
-            meta: snapshot.meta,
-            data: snapshot.snapshot.into_inner(),
-        };
-        let frame = encode_request(&request).map_err(|e| self.streaming_error(e))?;
-        drop(request);
         let target = self.target;
+        let SnapshotData { file, .. } = *snapshot.snapshot;
+        let meta = snapshot.meta;
         let send = async {
+            use tokio::io::AsyncReadExt;
+            let size = file
+                .metadata()
+                .map_err(|e| {
+                    CallError::Network(AnyError::error(format!("the snapshot file: {e}")))
+                })?
+                .len();
             let mut conn = self.open(deadline, ttl).await?;
-            timeout_at(deadline, exchange(&mut conn, frame, target))
-                .await
-                .map_err(|_| CallError::Timeout(ttl))?
+            let begin = encode_request(&Request::SnapshotBegin { vote, meta, size })?;
+            let to =
+                |e: io::Error| io_error(format_args!("sending a snapshot to node {target}"), &e);
+            timeout_at(deadline, async {
+                conn.send(begin).await.map_err(to)?;
+                let mut file = tokio::fs::File::from_std(file);
+                let mut sent = 0u64;
+                loop {
+                    let mut chunk = vec![0u8; SNAPSHOT_CHUNK];
+                    let mut n = 0;
+                    while n < chunk.len() {
+                        let read = file.read(&mut chunk[n..]).await.map_err(|e| {
+                            CallError::Network(AnyError::error(format!(
+                                "reading the snapshot file: {e}"
+                            )))
+                        })?;
+                        if read == 0 {
+                            break;
+                        }
+                        n += read;
+                    }
+                    if n == 0 {
+                        break;
+                    }
+                    chunk.truncate(n);
+                    sent += n as u64;
+                    conn.feed(encode_request(&Request::SnapshotChunk(Bytes::from(chunk)))?)
+                        .await
+                        .map_err(to)?;
+                }
+                if sent != size {
+                    return Err(CallError::Network(AnyError::error(format!(
+                        "the snapshot file gave {sent} bytes, not {size}"
+                    ))));
+                }
+                exchange(&mut conn, encode_request(&Request::SnapshotEnd)?, target).await
+            })
+            .await
+            .map_err(|_| CallError::Timeout(ttl))?
         };
         let response = tokio::select! {
             response = send => response,
@@ -796,6 +929,7 @@ impl RaftNetwork<TypeConfig> for Network {
 mod tests {
     use super::*;
     use crate::cluster::types::StoredMembership;
+    use crate::cluster::types::{bytes_of, data_of};
     use crate::cluster::types::{Batch, Entry, LogId, Membership, SnapshotData, StorageError};
     use bytes::BytesMut;
     use openraft::storage::{LogFlushed, RaftLogStorage, RaftStateMachine};
@@ -958,7 +1092,7 @@ mod tests {
             inner.snapshot = Some((meta.clone(), data.clone()));
             Ok(Snapshot {
                 meta,
-                snapshot: Box::new(Cursor::new(data)),
+                snapshot: Box::new(data_of(&data)),
             })
         }
     }
@@ -999,7 +1133,7 @@ mod tests {
         }
 
         async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
-            Ok(Box::new(Cursor::new(Vec::new())))
+            Ok(Box::new(data_of(b"")))
         }
 
         async fn install_snapshot(
@@ -1007,7 +1141,7 @@ mod tests {
             meta: &SnapshotMeta,
             snapshot: Box<SnapshotData>,
         ) -> Result<(), StorageError> {
-            let data = snapshot.into_inner();
+            let data = bytes_of(*snapshot);
             let state: SmState = serde_json::from_slice(&data).map_err(|e| sm_error(&e))?;
             let mut inner = self.0.lock();
             inner.state = state;
@@ -1024,7 +1158,7 @@ mod tests {
                 .as_ref()
                 .map(|(meta, data)| Snapshot {
                     meta: meta.clone(),
-                    snapshot: Box::new(Cursor::new(data.clone())),
+                    snapshot: Box::new(data_of(data)),
                 }))
         }
     }
@@ -1071,7 +1205,13 @@ mod tests {
         let raft = Raft::new(id, config(), network, MemLog::default(), sm.clone())
             .await
             .unwrap();
-        let server = tokio::spawn(serve(listener, raft.clone(), cluster.to_owned(), id));
+        let server = tokio::spawn(serve(
+            listener,
+            raft.clone(),
+            cluster.to_owned(),
+            id,
+            std::env::temp_dir(),
+        ));
         TestNode {
             id,
             raft,
@@ -1532,8 +1672,9 @@ mod tests {
         bad.magic = *b"WRNX";
         assert!(hello_check(&bad, "c", 1).unwrap_err().contains("magic"));
         let mut bad = ok.clone();
-        bad.version = 2;
-        assert!(hello_check(&bad, "c", 1).unwrap_err().contains("version 2"));
+        bad.version = VERSION + 1;
+        let other = format!("version {}", VERSION + 1);
+        assert!(hello_check(&bad, "c", 1).unwrap_err().contains(&other));
         assert!(hello_check(&ok, "d", 1).unwrap_err().contains("cluster"));
         assert!(hello_check(&ok, "c", 3).unwrap_err().contains("node 1"));
     }
@@ -1579,15 +1720,17 @@ mod tests {
                 entries,
             }),
             Request::Vote(VoteRequest::new(Vote::new(4, 2), Some(log_id(3)))),
-            Request::Snapshot {
+            Request::SnapshotBegin {
                 vote: Vote::new_committed(3, 1),
                 meta: SnapshotMeta {
                     last_log_id: Some(log_id(3)),
                     last_membership: StoredMembership::new(Some(log_id(2)), membership),
                     snapshot_id: "3-1".to_owned(),
                 },
-                data: b"snapshot".to_vec(),
+                size: 8,
             },
+            Request::SnapshotChunk(Bytes::from_static(b"snapshot")),
+            Request::SnapshotEnd,
         ];
         for request in &requests {
             let back: Request = postcard::from_bytes(&encode(request).unwrap()).unwrap();

@@ -10,10 +10,17 @@
 //! position that covers it, nor a position ahead of what it holds (after a crash the node
 //! applies again from the position its store has). `apply` waits for the previous apply's
 //! write, so two are in flight and the committer can merge them.
+//!
+//! Snapshots are files (`snapshot`): built by streaming the store (`Store::snapshot_to`) from
+//! one moment between two applies while applies go on, sent and received as files, installed
+//! group by group. An install takes several store writes, so it is marked first (`installing`
+//! beside the snapshot): a node that stops part way installs the same snapshot again when it
+//! starts, before anything else, so it never runs on half of one.
 
 // openraft's StorageError is what its traits return (224 bytes): not ours to box.
 #![allow(clippy::result_large_err)]
 
+use super::snapshot;
 use super::types::{Entry, LogId, Snapshot, SnapshotData, SnapshotMeta, StorageError};
 use super::types::{StoredMembership, TypeConfig};
 use super::Replication;
@@ -21,8 +28,9 @@ use crate::commit::Part;
 use crate::node::Shared;
 use openraft::storage::RaftStateMachine;
 use openraft::{AnyError, EntryPayload, RaftSnapshotBuilder, StorageIOError};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 /// What `Store::applied` holds in a cluster node's store: postcard of this.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
@@ -41,14 +49,17 @@ pub struct StateMachine {
     built: u64,
     /// The last apply's store write, not yet known done.
     writing: Option<tokio::sync::oneshot::Receiver<bool>>,
+    /// Held while `current` is replaced (a build finishing and an install must not cross).
+    files: Arc<parking_lot::Mutex<()>>,
 }
 
-/// A snapshot file: postcard of this.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct SnapshotFile {
-    meta: SnapshotMeta,
-    data: Vec<u8>,
-}
+/// The snapshot this node keeps (and sends), in `<data-dir>/raft-snapshot`.
+const CURRENT: &str = "current";
+/// Present while an install is part way (see the module doc).
+const INSTALLING: &str = "installing";
+/// Prefixes of files being built or received (removed at start: never complete).
+pub const BUILDING: &str = "building-";
+pub const RECEIVING: &str = "receiving-";
 
 fn io_err(e: impl std::fmt::Display) -> StorageError {
     StorageIOError::write_state_machine(AnyError::error(e.to_string())).into()
@@ -71,15 +82,187 @@ impl StateMachine {
         };
         let snapshots = shared.config.data_dir.join("raft-snapshot");
         std::fs::create_dir_all(&snapshots)?;
-        Ok(StateMachine {
+        for entry in std::fs::read_dir(&snapshots)? {
+            let entry = entry?;
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(BUILDING) || name.starts_with(RECEIVING) {
+                std::fs::remove_file(entry.path())?;
+            }
+        }
+        let mut sm = StateMachine {
             shared,
             rep,
             applied,
             snapshots,
             built: 0,
             writing: None,
-        })
+            files: Default::default(),
+        };
+        if sm.snapshots.join(INSTALLING).exists() {
+            // Stopped part way through an install: the store holds part of it. Again, whole.
+            warn!("the last snapshot install did not finish: installing it again");
+            let current = sm.snapshots.join(CURRENT);
+            let meta = sm.install_file(&current).map_err(|e| {
+                anyhow::anyhow!(
+                    "{} marks an unfinished snapshot install, and installing {} again failed: \
+                     {e}; the store holds part of a snapshot (remove this node from the cluster, \
+                     wipe its data folder and add it again)",
+                    sm.snapshots.join(INSTALLING).display(),
+                    current.display()
+                )
+            })?;
+            sm.applied = Applied {
+                log_id: meta.last_log_id,
+                membership: meta.last_membership.clone(),
+            };
+        }
+        Ok(sm)
     }
+
+    /// Replace the store's replicated content with the snapshot file at `path` (marked
+    /// `installing` until done), then rebuild the broker from the store. Blocking.
+    fn install_file(&self, path: &Path) -> Result<SnapshotMeta, StorageError> {
+        let store = self
+            .shared
+            .store
+            .clone()
+            .ok_or_else(|| io_err("a cluster node needs a store"))?;
+        let committer = self
+            .shared
+            .committer
+            .as_ref()
+            .ok_or_else(|| io_err("a cluster node needs a store"))?;
+        let file = std::fs::File::open(path).map_err(io_err)?;
+        let (meta, mut reader) = snapshot::Reader::open(file, path).map_err(io_err)?;
+        let marker = self.snapshots.join(INSTALLING);
+        std::fs::write(&marker, meta.snapshot_id.as_bytes()).map_err(io_err)?;
+        snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
+        let position = postcard::to_stdvec(&Applied {
+            log_id: meta.last_log_id,
+            membership: meta.last_membership.clone(),
+        })
+        .map_err(io_err)?;
+        let mut broker = self.shared.broker.lock();
+        if !committer.barrier() {
+            return Err(io_err("the store failed a write"));
+        }
+        // What the store holds goes first: every queue (with its bindings and messages) and
+        // exchange. Users are put again by the snapshot.
+        let mut pending = Vec::new();
+        store
+            .snapshot_to(&mut Definitions(&mut pending))
+            .map_err(io_err)?;
+        let mut groups = 0usize;
+        while let Some(group) = reader.group().map_err(io_err)? {
+            if !pending.is_empty() {
+                store.write(&pending, false).map_err(io_err)?;
+            }
+            pending = group;
+            groups += 1;
+        }
+        // The last write carries the position and is synced: the ones before it are then on
+        // disk too (one log, written in order).
+        store
+            .write_applied(&pending, &position, true)
+            .map_err(io_err)?;
+        self.shared.rebuild_broker(&mut broker).map_err(|e| {
+            io_err(format!(
+                "rebuilding from snapshot {}: {e}",
+                meta.snapshot_id
+            ))
+        })?;
+        drop(broker);
+        std::fs::remove_file(&marker).map_err(io_err)?;
+        snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
+        info!(snapshot = %meta.snapshot_id, groups, "installed a snapshot");
+        Ok(meta)
+    }
+}
+
+/// Collects the deletions of what a store holds (its first group: the definitions).
+struct Definitions<'a>(&'a mut Vec<warren_storage::Op>);
+
+impl warren_storage::SnapshotSink for Definitions<'_> {
+    fn taken(&mut self) {}
+
+    fn ops(&mut self, ops: Vec<warren_storage::Op>) -> Result<bool, warren_storage::StoreError> {
+        use warren_storage::Op;
+        for op in ops {
+            match op {
+                Op::DeclareQueue { vhost, name, .. } => {
+                    self.0.push(Op::DeleteQueue { vhost, name })
+                }
+                Op::DeclareExchange { vhost, name, .. } => {
+                    self.0.push(Op::DeleteExchange { vhost, name })
+                }
+                Op::Enqueue { .. } => return Ok(false),
+                _ => {}
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// Streams a store's snapshot into a snapshot file (on a blocking thread).
+struct FileSink {
+    writer: Option<snapshot::Writer>,
+    taken: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl warren_storage::SnapshotSink for FileSink {
+    fn taken(&mut self) {
+        if let Some(t) = self.taken.take() {
+            let _ = t.send(());
+        }
+    }
+
+    fn ops(&mut self, ops: Vec<warren_storage::Op>) -> Result<bool, warren_storage::StoreError> {
+        let w = self
+            .writer
+            .as_mut()
+            .ok_or_else(|| warren_storage::StoreError::Io("the snapshot file is closed".into()))?;
+        w.group(&ops)
+            .map_err(|e| warren_storage::StoreError::Io(e.to_string()))?;
+        Ok(true)
+    }
+}
+
+/// Make `path` the current snapshot unless the current one is as recent (an install may have
+/// put a newer one there meanwhile). Returns whether it did.
+fn make_current(dir: &Path, path: &Path, meta: &SnapshotMeta) -> std::io::Result<bool> {
+    let current = dir.join(CURRENT);
+    if let Ok(Some(have)) = snapshot::read_meta(&current) {
+        if have.last_log_id > meta.last_log_id {
+            std::fs::remove_file(path)?;
+            return Ok(false);
+        }
+    }
+    std::fs::rename(path, &current)?;
+    snapshot::sync_dir(dir)?;
+    Ok(true)
+}
+
+/// The current snapshot (None: none yet).
+fn open_current(dir: &Path) -> Result<Option<Snapshot>, StorageError> {
+    let path = dir.join(CURRENT);
+    let file = match std::fs::File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io_err(e)),
+    };
+    let reread = file.try_clone().map_err(io_err)?;
+    let (meta, _) = snapshot::Reader::open(reread, &path).map_err(io_err)?;
+    // The reader moved the shared offset: the transfer reads from the start.
+    let mut file = file;
+    std::io::Seek::rewind(&mut file).map_err(io_err)?;
+    Ok(Some(Snapshot {
+        meta,
+        snapshot: Box::new(SnapshotData {
+            file,
+            received: None,
+        }),
+    }))
 }
 
 impl StateMachine {
@@ -135,6 +318,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             let mut p = self.rep.state.lock();
             let mut parts: Vec<Part> = Vec::new();
             let mut fx = Vec::new();
+            let mut committed = 0;
             for entry in entries {
                 n += 1;
                 self.applied.log_id = Some(entry.log_id);
@@ -148,6 +332,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                             && p.leading == Some(entry.log_id.leader_id);
                         if ours {
                             // Applied already: release the journals it covers.
+                            committed = committed.max(batch.ticket);
                             while p.fifo.front().is_some_and(|f| f.ticket <= batch.ticket) {
                                 if let Some(part) = p.fifo.pop_front() {
                                     parts.push(part);
@@ -183,6 +368,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                         // Nobody is served here: deliveries and wake-ups have no one to reach.
                         fx.clear();
                         let journal = broker.take_journal();
+                        committed = committed.max(broker.journal_seq());
                         if !journal.is_empty() {
                             parts.push(Part {
                                 ticket: broker.journal_seq(),
@@ -195,6 +381,10 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             }
             let applied = postcard::to_stdvec(&self.applied).map_err(io_err)?;
             committer.submit_group(parts, applied, done_tx);
+            drop(p);
+            // Deliveries of the messages these entries enqueued may go now (a majority has
+            // them; the local write above need not be done first).
+            self.rep.committed_upto(committed, &self.shared.outboxes);
         }
         // The previous apply's write, not this one's: two writes in flight let the committer
         // merge consecutive entries into one store write (a message stored by one entry and
@@ -205,176 +395,166 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
     }
 
     /// Runs between two applies: once the last apply's write is done the store holds exactly
-    /// the applied entries, so the snapshot is taken here, whole, and the builder only writes
-    /// it out.
+    /// the applied entries. The store's snapshot moment is fixed here (`Store::snapshot_to`
+    /// calls `taken`), and the file is written on a blocking thread while applies go on.
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         self.built += 1;
         let applied = self.applied.clone();
-        let settled = self.settle().await;
-        let taken = settled.and_then(|()| {
-            let store = self
-                .shared
-                .store
-                .as_ref()
-                .ok_or_else(|| io_err("a cluster node needs a store"))?;
-            let ops = store.snapshot().map_err(io_err)?;
-            warren_storage::op_codec::encode_ops(&ops).map_err(io_err)
-        });
         let id = format!(
             "{}-{}-{}",
             applied.log_id.map(|l| l.leader_id.term).unwrap_or(0),
             applied.log_id.map(|l| l.index).unwrap_or(0),
             self.built
         );
-        Builder {
-            meta: SnapshotMeta {
-                last_log_id: applied.log_id,
-                last_membership: applied.membership,
-                snapshot_id: id,
-            },
-            taken: Some(taken.map(|b| b.to_vec())),
+        let meta = SnapshotMeta {
+            last_log_id: applied.log_id,
+            last_membership: applied.membership,
+            snapshot_id: id.clone(),
+        };
+        let path = self.snapshots.join(format!("{BUILDING}{id}"));
+        let mut builder = Builder {
+            meta: meta.clone(),
+            path: path.clone(),
             dir: self.snapshots.clone(),
+            files: self.files.clone(),
+            writing: None,
+            failed: None,
+        };
+        if let Err(e) = self.settle().await {
+            builder.failed = Some(e);
+            return builder;
         }
+        let Some(store) = self.shared.store.clone() else {
+            builder.failed = Some(io_err("a cluster node needs a store"));
+            return builder;
+        };
+        let (taken_tx, taken_rx) = tokio::sync::oneshot::channel();
+        let writing = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            let writer = snapshot::Writer::create(&path, &meta).map_err(|e| e.to_string())?;
+            let mut sink = FileSink {
+                writer: Some(writer),
+                taken: Some(taken_tx),
+            };
+            let streamed = store.snapshot_to(&mut sink);
+            let writer = sink.writer.take();
+            let result = streamed
+                .map_err(|e| e.to_string())
+                .and_then(|()| match writer {
+                    Some(w) => w.finish().map_err(|e| e.to_string()),
+                    None => Err("the snapshot file is closed".into()),
+                });
+            if result.is_err() {
+                let _ = std::fs::remove_file(&path);
+            }
+            result
+        });
+        // Until the store's moment is fixed, no apply may write (a failure before it shows
+        // in `writing`).
+        let _ = taken_rx.await;
+        builder.writing = Some(writing);
+        builder
     }
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotData>, StorageError> {
-        Ok(Box::new(std::io::Cursor::new(Vec::new())))
+        // Snapshots arrive whole through `net` (openraft's chunked transfer is not used).
+        let path = self
+            .snapshots
+            .join(format!("{RECEIVING}{:016x}", rand::random::<u64>()));
+        let file = std::fs::OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_err)?;
+        Ok(Box::new(SnapshotData {
+            file,
+            received: Some(super::types::Received::new(path)),
+        }))
     }
 
-    /// Replace the state with the snapshot's: in one store write, every queue and exchange the
-    /// store holds is deleted and the snapshot's ops written, with the snapshot's position;
-    /// then the broker is rebuilt from the store (as after a restart).
+    /// Replace the state with the snapshot's (`install_file`): the received file becomes the
+    /// current snapshot first, so an install cut short is done again from it at start.
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta,
         snapshot: Box<SnapshotData>,
     ) -> Result<(), StorageError> {
         self.settle().await?;
-        let data = snapshot.into_inner();
-        let ops = warren_storage::op_codec::decode_ops(bytes::Bytes::from(data.clone())).map_err(
-            |e| {
-                io_err(format!(
-                    "snapshot {} does not decode: {e}",
-                    meta.snapshot_id
-                ))
-            },
-        )?;
-        let store = self
-            .shared
-            .store
-            .clone()
-            .ok_or_else(|| io_err("a cluster node needs a store"))?;
-        let committer = self
-            .shared
-            .committer
+        let SnapshotData { file, received } = *snapshot;
+        drop(file);
+        let path = received
             .as_ref()
-            .ok_or_else(|| io_err("a cluster node needs a store"))?;
-        let applied = Applied {
-            log_id: meta.last_log_id,
-            membership: meta.last_membership.clone(),
-        };
-        {
-            let mut broker = self.shared.broker.lock();
-            if !committer.barrier() {
-                return Err(io_err("the store failed a write"));
-            }
-            let mut write: Vec<warren_storage::Op> = Vec::new();
-            for op in store.snapshot().map_err(io_err)? {
-                match op {
-                    warren_storage::Op::DeclareQueue { vhost, name, .. } => {
-                        write.push(warren_storage::Op::DeleteQueue { vhost, name })
-                    }
-                    warren_storage::Op::DeclareExchange { vhost, name, .. } => {
-                        write.push(warren_storage::Op::DeleteExchange { vhost, name })
-                    }
-                    _ => {}
-                }
-            }
-            write.extend(ops);
-            let position = postcard::to_stdvec(&applied).map_err(io_err)?;
-            let written = committer.write_group(
-                vec![Part {
-                    ticket: broker.journal_seq(),
-                    ops: write.into_iter().collect(),
-                    notify: None,
-                }],
-                position,
-            );
-            if written {
-                self.shared.rebuild_broker(&mut broker).map_err(|e| {
-                    io_err(format!(
-                        "rebuilding from snapshot {}: {e}",
-                        meta.snapshot_id
-                    ))
-                })?;
-            } else {
-                return Err(io_err("the store failed to write a snapshot"));
-            }
+            .and_then(|r| r.path())
+            .map(Path::to_path_buf)
+            .ok_or_else(|| io_err("a snapshot to install must be a received file"))?;
+        let checked = snapshot::verify(&path).map_err(io_err)?;
+        if checked.snapshot_id != meta.snapshot_id || checked.last_log_id != meta.last_log_id {
+            return Err(io_err(format!(
+                "the received snapshot file holds snapshot {} at {:?}, not {} at {:?}",
+                checked.snapshot_id, checked.last_log_id, meta.snapshot_id, meta.last_log_id
+            )));
         }
-        self.applied = applied;
-        write_snapshot(&self.snapshots, meta, data).map_err(io_err)?;
-        tracing::info!(snapshot = %meta.snapshot_id, "installed a snapshot from the leader");
+        let installed = tokio::task::block_in_place(|| {
+            let _files = self.files.lock();
+            let current = self.snapshots.join(CURRENT);
+            std::fs::rename(&path, &current).map_err(io_err)?;
+            if let Some(r) = received {
+                let _ = r.keep();
+            }
+            snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
+            self.install_file(&current)
+        })?;
+        self.applied = Applied {
+            log_id: installed.last_log_id,
+            membership: installed.last_membership.clone(),
+        };
+        info!(snapshot = %meta.snapshot_id, "installed a snapshot from the leader");
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot>, StorageError> {
-        let path = self.snapshots.join("current");
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io_err(e)),
-        };
-        let f: SnapshotFile = postcard::from_bytes(&bytes)
-            .map_err(|e| io_err(format!("{} does not decode: {e}", path.display())))?;
-        Ok(Some(Snapshot {
-            meta: f.meta,
-            snapshot: Box::new(std::io::Cursor::new(f.data)),
-        }))
+        open_current(&self.snapshots)
     }
 }
 
-/// Keep `data` as the current snapshot: written beside, fsynced, renamed over `current`.
-fn write_snapshot(
-    dir: &std::path::Path,
-    meta: &SnapshotMeta,
-    data: Vec<u8>,
-) -> std::io::Result<()> {
-    use std::io::Write;
-    let bytes = postcard::to_stdvec(&SnapshotFile {
-        meta: meta.clone(),
-        data,
-    })
-    .map_err(std::io::Error::other)?;
-    let tmp = dir.join("current.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&bytes)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join("current"))?;
-    std::fs::File::open(dir)?.sync_all()
-}
-
-/// Writes out the snapshot `get_snapshot_builder` took.
+/// Finishes the snapshot `get_snapshot_builder` began: waits for its file, makes it current.
 pub struct Builder {
     meta: SnapshotMeta,
-    taken: Option<Result<Vec<u8>, StorageError>>,
-    dir: std::path::PathBuf,
+    path: PathBuf,
+    dir: PathBuf,
+    files: Arc<parking_lot::Mutex<()>>,
+    writing: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    failed: Option<StorageError>,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for Builder {
     async fn build_snapshot(&mut self) -> Result<Snapshot, StorageError> {
-        let data = self
-            .taken
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let writing = self
+            .writing
             .take()
-            .unwrap_or_else(|| Err(io_err("the snapshot was built already")))?;
-        let (dir, meta, copy) = (self.dir.clone(), self.meta.clone(), data.clone());
-        tokio::task::spawn_blocking(move || write_snapshot(&dir, &meta, copy))
-            .await
-            .map_err(io_err)?
-            .map_err(io_err)?;
-        tracing::info!(snapshot = %self.meta.snapshot_id, bytes = data.len(), "snapshot built");
-        Ok(Snapshot {
-            meta: self.meta.clone(),
-            snapshot: Box::new(std::io::Cursor::new(data)),
+            .ok_or_else(|| io_err("the snapshot was built already"))?;
+        writing.await.map_err(io_err)?.map_err(io_err)?;
+        let (dir, path, meta, files) = (
+            self.dir.clone(),
+            self.path.clone(),
+            self.meta.clone(),
+            self.files.clone(),
+        );
+        let made = tokio::task::spawn_blocking(move || {
+            let _files = files.lock();
+            make_current(&dir, &path, &meta)
         })
+        .await
+        .map_err(io_err)?
+        .map_err(io_err)?;
+        let size = std::fs::metadata(self.dir.join(CURRENT))
+            .map(|m| m.len())
+            .unwrap_or(0);
+        info!(snapshot = %self.meta.snapshot_id, bytes = size, current = made, "snapshot built");
+        // The current one (this, or a newer one installed meanwhile).
+        open_current(&self.dir)?.ok_or_else(|| io_err("the snapshot file is gone"))
     }
 }

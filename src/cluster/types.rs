@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use std::io::Cursor;
+use std::path::PathBuf;
 
 /// A node's addresses: its Raft link (from `--peers`), and the AMQP and management addresses
 /// clients and operators reach it on (each node fills these in for itself; they travel in the
@@ -54,8 +54,41 @@ impl std::fmt::Display for Batch {
     }
 }
 
-/// A snapshot as it travels and is installed: the encoded replicated state (ops).
-pub type SnapshotData = Cursor<Vec<u8>>;
+/// A snapshot as openraft holds it: its file (`snapshot`), open for reading from its start.
+#[derive(Debug)]
+pub struct SnapshotData {
+    pub file: std::fs::File,
+    /// A snapshot received from the leader: where its file is until it is installed.
+    pub received: Option<Received>,
+}
+
+/// The file of a received snapshot, removed when dropped unless `keep` took it (a transfer or
+/// an install that failed leaves nothing behind).
+#[derive(Debug)]
+pub struct Received(Option<PathBuf>);
+
+impl Received {
+    pub fn new(path: PathBuf) -> Received {
+        Received(Some(path))
+    }
+
+    pub fn path(&self) -> Option<&std::path::Path> {
+        self.0.as_deref()
+    }
+
+    /// The file stays: its path.
+    pub fn keep(mut self) -> Option<PathBuf> {
+        self.0.take()
+    }
+}
+
+impl Drop for Received {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
 
 openraft::declare_raft_types!(
     /// The broker's Raft group.
@@ -80,3 +113,28 @@ pub type Membership = openraft::Membership<NodeId, NodeInfo>;
 pub type StoredMembership = openraft::StoredMembership<NodeId, NodeInfo>;
 pub type SnapshotMeta = openraft::SnapshotMeta<NodeId, NodeInfo>;
 pub type Snapshot = openraft::Snapshot<TypeConfig>;
+
+/// A snapshot file holding `bytes` (anonymous: gone with its last handle). For tests.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub fn data_of(bytes: &[u8]) -> SnapshotData {
+    use std::io::{Seek, Write};
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(bytes).unwrap();
+    file.rewind().unwrap();
+    SnapshotData {
+        file,
+        received: None,
+    }
+}
+
+/// What a snapshot file holds. For tests.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub fn bytes_of(mut data: SnapshotData) -> Vec<u8> {
+    use std::io::{Read, Seek};
+    let mut out = Vec::new();
+    data.file.rewind().unwrap();
+    data.file.read_to_end(&mut out).unwrap();
+    out
+}

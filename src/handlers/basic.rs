@@ -114,17 +114,23 @@ impl Session {
         let conn = self.conn;
         core(&self.shared, &mut self.ctx, |b, _| {
             match b.get(conn, ch, &self.vhost, &queue, g.no_ack)? {
-                Some(r) => self.outbox.method_with_content(
-                    ch,
-                    &AMQPClass::Basic(M::GetOk(basic::GetOk {
-                        delivery_tag: r.delivery_tag,
-                        redelivered: r.redelivered,
-                        exchange: warren_protocol::short(&r.msg.exchange),
-                        routing_key: warren_protocol::short(&r.msg.routing_key),
-                        message_count: r.message_count,
-                    })),
-                    &r.msg,
-                ),
+                Some(r) => {
+                    if let Some(rep) = &self.shared.replication {
+                        // Not before the cluster has it (see `QueuedMessage::batch`).
+                        rep.hold_delivery(conn, &self.outbox, r.batch);
+                    }
+                    self.outbox.method_with_content(
+                        ch,
+                        &AMQPClass::Basic(M::GetOk(basic::GetOk {
+                            delivery_tag: r.delivery_tag,
+                            redelivered: r.redelivered,
+                            exchange: warren_protocol::short(&r.msg.exchange),
+                            routing_key: warren_protocol::short(&r.msg.routing_key),
+                            message_count: r.message_count,
+                        })),
+                        &r.msg,
+                    )
+                }
                 None => self
                     .outbox
                     .method(ch, &AMQPClass::Basic(M::GetEmpty(basic::GetEmpty {}))),

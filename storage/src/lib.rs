@@ -103,6 +103,18 @@ pub struct Recovered {
     pub queues: Vec<QueueSummary>,
 }
 
+/// Where [`Store::snapshot_to`] streams a snapshot.
+pub trait SnapshotSink {
+    /// The snapshot's moment is fixed: what is written from now on is not in it.
+    fn taken(&mut self);
+    /// The next ops, in order; false stops the snapshot here.
+    fn ops(&mut self, ops: Vec<Op>) -> Result<bool, StoreError>;
+}
+
+/// Ops per group and body bytes per group [`Store::snapshot_to`] streams (at least one op).
+pub const SNAPSHOT_GROUP_OPS: usize = 4096;
+pub const SNAPSHOT_GROUP_BYTES: usize = 1 << 20;
+
 /// Durable state. A call's ops are applied in order; after a crash every op is either there or
 /// not (ops are not split), and a synced call is there whole.
 pub trait Store: Send + Sync {
@@ -119,11 +131,28 @@ pub trait Store: Send + Sync {
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError>;
 
     /// Everything the store keeps that a replica must have, as ops that rebuild it on an
-    /// empty store: users, exchanges, queues, bindings, then each queue's stored messages in
-    /// key order (one `Enqueue` per queue and message). Spilled transient messages are local
-    /// and left out. Changes nothing (unlike `recover`). For a cluster's snapshot, taken while
-    /// nothing writes.
-    fn snapshot(&self) -> Result<Vec<Op>, StoreError>;
+    /// empty store, streamed to `sink` in groups: users, exchanges, queues, bindings, then each
+    /// queue's stored messages in key order (one `Enqueue` per queue and message, in groups of
+    /// about a MiB). Spilled transient messages are local and left out. Changes nothing
+    /// (unlike `recover`). The content is the store's at one moment, inside the call, before
+    /// `sink.taken()`: writes may go on once that is called (a cluster's snapshot of a large
+    /// store is read out while entries are applied), and are not in it.
+    fn snapshot_to(&self, sink: &mut dyn SnapshotSink) -> Result<(), StoreError>;
+
+    /// [`Store::snapshot_to`], collected in memory (for small stores and tests).
+    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
+        struct Collect(Vec<Op>);
+        impl SnapshotSink for Collect {
+            fn taken(&mut self) {}
+            fn ops(&mut self, ops: Vec<Op>) -> Result<bool, StoreError> {
+                self.0.extend(ops);
+                Ok(true)
+            }
+        }
+        let mut c = Collect(Vec::new());
+        self.snapshot_to(&mut c)?;
+        Ok(c.0)
+    }
 
     /// The stored definitions and a summary of each queue's messages. Transient messages
     /// spilled by the previous run are deleted.
@@ -171,8 +200,8 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
         (**self).applied()
     }
 
-    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
-        (**self).snapshot()
+    fn snapshot_to(&self, sink: &mut dyn SnapshotSink) -> Result<(), StoreError> {
+        (**self).snapshot_to(sink)
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {
@@ -214,8 +243,8 @@ impl<T: Store + ?Sized> Store for Box<T> {
         (**self).applied()
     }
 
-    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
-        (**self).snapshot()
+    fn snapshot_to(&self, sink: &mut dyn SnapshotSink) -> Result<(), StoreError> {
+        (**self).snapshot_to(sink)
     }
 
     fn recover(&self) -> Result<Recovered, StoreError> {

@@ -209,46 +209,17 @@ impl Store for MemStore {
         self.write_locked(ops, sync, Some(applied))
     }
 
-    fn snapshot(&self) -> Result<Vec<Op>, StoreError> {
-        let s = self
-            .state
-            .lock()
-            .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
-        let mut ops = Vec::new();
-        for (name, u) in &s.users {
-            ops.push(crate::op::put_user(name, u));
-        }
-        for ((vhost, name), x) in &s.exchanges {
-            ops.push(crate::op::declare_exchange(vhost, name, x));
-        }
-        for ((vhost, name), q) in &s.queues {
-            ops.push(crate::op::declare_queue(vhost, name, q));
-        }
-        for b in &s.bindings {
-            ops.push(crate::op::bind(b));
-        }
-        for ((vhost, name), messages) in &s.messages {
-            if !s.queues.contains_key(&(vhost.clone(), name.clone())) {
-                continue;
-            }
-            for (key, (m, spilled)) in messages {
-                if *spilled {
-                    continue;
-                }
-                ops.push(Op::Enqueue {
-                    vhost: vhost.as_str().into(),
-                    queues: std::iter::once((name.as_str().into(), crate::key_level(*key)))
-                        .collect(),
-                    id: crate::key_id(*key),
-                    timestamp_ms: m.timestamp_ms,
-                    exchange: m.exchange.as_str().into(),
-                    routing_key: m.routing_key.as_str().into(),
-                    properties: m.properties.clone(),
-                    body: m.body.clone(),
-                });
+    fn snapshot_to(&self, sink: &mut dyn crate::SnapshotSink) -> Result<(), StoreError> {
+        let ops = self.snapshot_ops()?;
+        sink.taken();
+        let mut ops = ops.into_iter().peekable();
+        while ops.peek().is_some() {
+            let group: Vec<Op> = ops.by_ref().take(crate::SNAPSHOT_GROUP_OPS).collect();
+            if !sink.ops(group)? {
+                break;
             }
         }
-        Ok(ops)
+        Ok(())
     }
 
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
@@ -367,4 +338,49 @@ pub fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSu
         }
     }
     levels
+}
+
+impl MemStore {
+    /// What `snapshot_to` streams, taken under the lock.
+    fn snapshot_ops(&self) -> Result<Vec<Op>, StoreError> {
+        let s = self
+            .state
+            .lock()
+            .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
+        let mut ops = Vec::new();
+        for (name, u) in &s.users {
+            ops.push(crate::op::put_user(name, u));
+        }
+        for ((vhost, name), x) in &s.exchanges {
+            ops.push(crate::op::declare_exchange(vhost, name, x));
+        }
+        for ((vhost, name), q) in &s.queues {
+            ops.push(crate::op::declare_queue(vhost, name, q));
+        }
+        for b in &s.bindings {
+            ops.push(crate::op::bind(b));
+        }
+        for ((vhost, name), messages) in &s.messages {
+            if !s.queues.contains_key(&(vhost.clone(), name.clone())) {
+                continue;
+            }
+            for (key, (m, spilled)) in messages {
+                if *spilled {
+                    continue;
+                }
+                ops.push(Op::Enqueue {
+                    vhost: vhost.as_str().into(),
+                    queues: std::iter::once((name.as_str().into(), crate::key_level(*key)))
+                        .collect(),
+                    id: crate::key_id(*key),
+                    timestamp_ms: m.timestamp_ms,
+                    exchange: m.exchange.as_str().into(),
+                    routing_key: m.routing_key.as_str().into(),
+                    properties: m.properties.clone(),
+                    body: m.body.clone(),
+                });
+            }
+        }
+        Ok(ops)
+    }
 }

@@ -90,6 +90,7 @@ pub fn conformance(open: &dyn Fn() -> Box<dyn Store>) {
     users_survive(open);
     applied_position_survives(open);
     snapshot_rebuilds_what_a_replica_needs(open);
+    snapshot_streams_one_moment_in_groups(open);
 }
 
 /// `snapshot` gives ops that rebuild the same definitions and stored messages on an empty
@@ -128,6 +129,73 @@ fn snapshot_rebuilds_what_a_replica_needs(open: &dyn Fn() -> Box<dyn Store>) {
     assert!(ops
         .iter()
         .any(|op| matches!(op, Op::DeclareQueue { name, .. } if name == "sb")));
+}
+
+/// `snapshot_to` streams in groups, definitions first; what is written once `taken` is called
+/// is not in the snapshot; a sink that says stop hears nothing more.
+fn snapshot_streams_one_moment_in_groups(open: &dyn Fn() -> Box<dyn Store>) {
+    let s = open();
+    s.write(&[queue("st")], true).unwrap();
+    let n = crate::SNAPSHOT_GROUP_OPS as u64 + 10;
+    let ops: Vec<Op> = (1..=n).map(|i| enqueue(&["st"], i, "m")).collect();
+    s.write(&ops, true).unwrap();
+
+    struct Sink<'a> {
+        store: &'a dyn Store,
+        taken_before: Option<usize>,
+        groups: Vec<Vec<Op>>,
+        stop_after: usize,
+    }
+    impl crate::SnapshotSink for Sink<'_> {
+        fn taken(&mut self) {
+            self.taken_before = Some(self.groups.len());
+            // Written after the moment: not in the snapshot.
+            self.store
+                .write(&[enqueue(&["st"], 1_000_000, "late"), queue("late")], true)
+                .unwrap();
+        }
+        fn ops(&mut self, ops: Vec<Op>) -> Result<bool, crate::StoreError> {
+            assert!(!ops.is_empty(), "an empty group");
+            self.groups.push(ops);
+            Ok(self.groups.len() < self.stop_after)
+        }
+    }
+    let mut sink = Sink {
+        store: &*s,
+        taken_before: None,
+        groups: Vec::new(),
+        stop_after: usize::MAX,
+    };
+    s.snapshot_to(&mut sink).unwrap();
+    assert_eq!(sink.taken_before, Some(0), "taken is called before any ops");
+    assert!(sink.groups.len() >= 3, "{} groups", sink.groups.len());
+    assert!(sink.groups[0]
+        .iter()
+        .all(|op| !matches!(op, Op::Enqueue { .. })));
+    let all: Vec<&Op> = sink.groups.iter().flatten().collect();
+    let ids: Vec<u64> = all
+        .iter()
+        .filter_map(|op| match op {
+            // The store may hold other tests' queues.
+            Op::Enqueue { id, queues, .. } if &*queues[0].0 == "st" => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, (1..=n).collect::<Vec<_>>());
+    assert!(!all
+        .iter()
+        .any(|op| matches!(op, Op::DeclareQueue { name, .. } if name == "late")));
+    // The late writes happened.
+    assert_eq!(messages(&*s, "st").len() as u64, n + 1);
+
+    let mut sink = Sink {
+        store: &*s,
+        taken_before: None,
+        groups: Vec::new(),
+        stop_after: 1,
+    };
+    s.snapshot_to(&mut sink).unwrap();
+    assert_eq!(sink.groups.len(), 1);
 }
 
 /// `write_applied` keeps the latest position with its ops; a plain write leaves it as it was;

@@ -816,3 +816,113 @@ async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes()
     publish_confirmed(&conn, "old", 55, 1).await;
     replicated(&c, "old", 56, WAIT).await;
 }
+
+/// Issue 15: a snapshot larger than a Raft frame (64 MiB) reaches a new node in chunks, as a
+/// file; a node stopped part way through an install (its `installing` mark left) installs the
+/// same snapshot again when it starts; one whose snapshot file is damaged then refuses to
+/// start, saying why, rather than run on part of a snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_install_is_redone() {
+    let mut c = Cluster::start_with(3, &["--raft-snapshot-every", "40"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "big").await;
+    // 80 MiB of messages (incompressible enough: the snapshot file holds them as they are).
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let body: Vec<u8> = (0..256 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    for batch in 0..8 {
+        let mut pending = Vec::new();
+        for _ in 0..40 {
+            pending.push(
+                ch.basic_publish(
+                    "".into(),
+                    "big".into(),
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap(),
+            );
+        }
+        for p in pending {
+            assert!(p.await.unwrap().is_ack(), "batch {batch}");
+        }
+    }
+    // Entries past the interval: a snapshot, and the log before it reclaimed.
+    publish_one_by_one(&conn, "big", 0, 60).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c.nodes[leader].status().unwrap();
+        if s["snapshot_index"].as_u64().unwrap_or(0) > 0
+            && s["purged_index"].as_u64().unwrap_or(0) > 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no snapshot and purge: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut node = Node::new(4);
+    node.log = Some(c.log_path(4));
+    c.spawn_with(&mut node, c.peers(), "");
+    c.nodes.push(node);
+    let extra = c.nodes.len() - 1;
+    let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
+    let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "4", &raft]);
+    assert!(ok, "{out}");
+    replicated(&c, "big", 380, Duration::from_secs(60)).await;
+    let s = c.nodes[extra].status().unwrap();
+    assert!(s["snapshot_index"].as_u64().unwrap_or(0) > 0, "{s}");
+    let snapshots = c.dir.path().join("n4").join("raft-snapshot");
+    let size = std::fs::metadata(snapshots.join("current")).unwrap().len();
+    assert!(size > 64 << 20, "the snapshot file has {size} bytes");
+
+    // Stopped part way through an install: done again at start.
+    c.nodes[extra].kill();
+    std::fs::write(snapshots.join("installing"), b"x").unwrap();
+    c.restart(extra);
+    assert!(
+        c.nodes[extra]
+            .log_line(&["installing it again"], Duration::from_secs(30))
+            .await
+            .is_some(),
+        "{}",
+        c.nodes[extra].log_text()
+    );
+    replicated(&c, "big", 380, Duration::from_secs(60)).await;
+    assert!(!snapshots.join("installing").exists());
+
+    // The same with a damaged snapshot file: refused, said so, nothing served.
+    c.nodes[extra].kill();
+    std::fs::write(snapshots.join("installing"), b"x").unwrap();
+    let current = snapshots.join("current");
+    let mut bytes = std::fs::read(&current).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x55;
+    std::fs::write(&current, &bytes).unwrap();
+    c.restart(extra);
+    let status = {
+        let child = c.nodes[extra].child.as_mut().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "it started on a damaged snapshot"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    assert!(!status.success());
+    let log = c.nodes[extra].log_text();
+    assert!(log.contains("unfinished snapshot install"), "{log}");
+    // The others go on.
+    publish_confirmed(&conn, "big", 5000, 1).await;
+}

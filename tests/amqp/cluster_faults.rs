@@ -840,3 +840,87 @@ async fn a_follower_killed_and_restarted_catches_up() {
     let want: Vec<String> = (0..510).map(|i| i.to_string()).collect();
     assert_eq!(got, want);
 }
+
+/// Issue 15: the leader delivers a message only once its entry is committed (a consumer
+/// must never see a message the cluster may still lose). With the followers running, a
+/// consumer gets a stream of unconfirmed publishes, all and in order, and a basic.get right
+/// after a publish gets it (its get-ok waits for the commit); with both followers frozen
+/// nothing commits, and a message published then never reaches the consumer on the leader
+/// (the leader gives up at its lease and closes the connection instead).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_delivers_a_message_only_once_it_is_committed() {
+    let mut c = Cluster::start_logged(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "gate").await;
+    let pch = conn.create_channel().await.unwrap();
+    let publish = |body: String| {
+        let pch = pch.clone();
+        async move {
+            pch.basic_publish(
+                "".into(),
+                "gate".into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                persistent(),
+            )
+            .await
+            .unwrap();
+        }
+    };
+
+    publish("got".into()).await;
+    let got = pch
+        .basic_get("gate".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("basic.get right after the publish gets the message");
+    assert_eq!(got.delivery.data, b"got");
+
+    let cons_conn = connect(&c.nodes[leader].url()).await;
+    let cch = cons_conn.create_channel().await.unwrap();
+    let mut consumer = cch
+        .basic_consume(
+            "gate".into(),
+            "gate".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for i in 0..300 {
+        publish(format!("m{i}")).await;
+    }
+    for i in 0..300 {
+        let d = tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("message m{i} was not delivered"))
+            .expect("the consumer is open")
+            .expect("a delivery");
+        assert_eq!(String::from_utf8(d.data).unwrap(), format!("m{i}"));
+    }
+
+    let followers: Vec<usize> = (0..c.nodes.len()).filter(|&i| i != leader).collect();
+    for &i in &followers {
+        c.nodes[i].pause();
+    }
+    publish("uncommitted".into()).await;
+    match tokio::time::timeout(Duration::from_secs(2), consumer.next()).await {
+        // Silent, or closed when the leader gave up leading: both right.
+        Err(_) | Ok(None) | Ok(Some(Err(_))) => {}
+        Ok(Some(Ok(d))) => panic!(
+            "delivered before its entry was committed: {:?}",
+            String::from_utf8_lossy(&d.data)
+        ),
+    }
+    for &i in &followers {
+        c.nodes[i].resume();
+    }
+    // The cluster goes on serving.
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    publish_confirmed(&conn, "gate", 0, 1).await;
+}
