@@ -210,13 +210,21 @@ impl Store for MemStore {
     }
 
     fn snapshot_to(&self, sink: &mut dyn crate::SnapshotSink) -> Result<(), StoreError> {
-        let ops = self.snapshot_ops()?;
+        let mut ops = self.snapshot_ops()?;
         sink.taken();
-        let mut ops = ops.into_iter().peekable();
-        while ops.peek().is_some() {
-            let group: Vec<Op> = ops.by_ref().take(crate::SNAPSHOT_GROUP_OPS).collect();
-            if !sink.ops(group)? {
-                break;
+        // Definitions in groups of their own, then messages (as RocksStore streams them).
+        let first_message = ops
+            .iter()
+            .position(|op| matches!(op, Op::Enqueue { .. }))
+            .unwrap_or(ops.len());
+        let messages = ops.split_off(first_message);
+        for part in [ops, messages] {
+            let mut part = part.into_iter().peekable();
+            while part.peek().is_some() {
+                let group: Vec<Op> = part.by_ref().take(crate::SNAPSHOT_GROUP_OPS).collect();
+                if !sink.ops(group)? {
+                    return Ok(());
+                }
             }
         }
         Ok(())
