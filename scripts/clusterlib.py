@@ -284,9 +284,22 @@ PORT_OFFSETS = (1, 2, 3, 11, 12, 13, 21, 22, 23)
 PROXIED_PORT_OFFSETS = PORT_OFFSETS + (31, 32, 33)
 
 
+def ephemeral_low():
+    """The lowest port the kernel gives outgoing connections (their local ports)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_base(offsets=PORT_OFFSETS):
+    # Below the ephemeral range: a port in it can be taken at any moment as the local port of
+    # some outgoing connection (a client's, a node's), and a node restarted on it then fails
+    # to bind (seen: a node killed by the nemesis could not come back for a minute).
+    high = max(11000, ephemeral_low() - max(offsets) - 1)
     for _ in range(200):
-        base = random.randrange(20000, 60000, 100)
+        base = random.randrange(10000, high, 100)
         socks = []
         try:
             for off in offsets:

@@ -79,6 +79,11 @@ pub struct ClusterConfig {
     /// Log entries between two snapshots (`--raft-snapshot-every`); the log before a
     /// snapshot is purged but for a tenth of this.
     pub snapshot_every: u64,
+    /// The Raft heartbeat interval in ms (`--raft-heartbeat-ms`). openraft gives every
+    /// AppendEntries this long to come back, so it must exceed the round trip between
+    /// nodes (with a follower's fsync); elections start 3 to 6 intervals after the last
+    /// heartbeat, and a leader's lease is 6 intervals.
+    pub heartbeat_ms: u64,
 }
 
 /// See [`ClusterConfig::follower_clients`].

@@ -127,6 +127,11 @@ struct ServerArgs {
     /// log before a snapshot is reclaimed but for a tenth of this.
     #[arg(long, env = "WARREN_RAFT_SNAPSHOT_EVERY", default_value_t = warren::cluster::SNAPSHOT_EVERY, value_parser = clap::value_parser!(u64).range(10..))]
     raft_snapshot_every: u64,
+    /// The Raft heartbeat interval in ms: it must exceed the round trip between the nodes
+    /// with a follower's fsync (openraft waits that long for an append), and elections start
+    /// 3 to 6 intervals after the last heartbeat. 50 suits one machine or a LAN.
+    #[arg(long, env = "WARREN_RAFT_HEARTBEAT_MS", default_value_t = warren::cluster::HEARTBEAT_MS, value_parser = clap::value_parser!(u64).range(10..=10_000))]
+    raft_heartbeat_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -190,6 +195,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
                     advertise_amqp: args.advertise_amqp,
                     advertise_http: args.advertise_http,
                     snapshot_every: args.raft_snapshot_every,
+                    heartbeat_ms: args.raft_heartbeat_ms,
                 })
             }
             _ => None,

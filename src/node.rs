@@ -344,6 +344,7 @@ impl Shared {
         let replication = config.cluster.as_ref().map(|c| {
             Arc::new(crate::cluster::Replication::new(
                 c.node_id,
+                c.heartbeat_ms,
                 {
                     // A node listed in --peers is known by that address; one joining later
                     // (not listed) by its --raft-listen.

@@ -11,8 +11,15 @@
 //! and then tells their waiters, so a confirm means "committed". Followers apply each op
 //! through the same `Broker::apply`.
 //!
-//! Leadership: a node serves clients only once the first entry of its own term is applied
-//! (everything before it is then applied too). A node that stops leading fails what was
+//! Leadership: a node that Raft made leader proposes a barrier, an empty entry marked with a
+//! new stint id (`Proposals::barrier`), and serves clients only once that entry is applied:
+//! everything before it in the log, whoever proposed it, is then applied too. Its proposals
+//! carry the stint id, so the state machine skips exactly the entries of this stint (applied
+//! ahead on the leader) and applies every other one. The first entry of the term is not
+//! enough: a leader restarted with its vote keeps its term (openraft restores it without an
+//! election) and finds entries of that term from its previous life; a leader that stepped
+//! down and leads again in the same term has entries of its first stint in flight, whose
+//! effects its rebuild dropped. Both are applied as any follower applies them. A node that stops leading fails what was
 //! parked (nothing unconfirmed is confirmed), closes its client connections and rebuilds its
 //! broker from its store, which holds exactly the applied entries: whatever it had done ahead
 //! of the commit is gone, and entries of its term that the next leader commits are applied to
@@ -55,13 +62,49 @@ pub struct Proposals {
     unproposed: bool,
     /// Set by the state machine when it saw an entry it cannot reconcile with leading.
     pub diverged: bool,
+    /// While leading: the stint id its proposals carry (`Batch::proposer`); 0 otherwise.
+    pub stint: u64,
+    /// The barrier proposed to start a stint (see the module doc).
+    pub barrier: Option<Barrier>,
+}
+
+/// An empty entry whose apply shows that everything before it is applied.
+#[derive(Clone, Copy, Debug)]
+pub struct Barrier {
+    pub leader: openraft::CommittedLeaderId<NodeId>,
+    pub stint: u64,
+    pub applied: bool,
+}
+
+impl Proposals {
+    /// The state machine applies a normal entry of `leader` proposed by `proposer`: whether
+    /// it is this node's pending barrier (then marked applied; it holds no ops).
+    pub fn barrier_applied(
+        &mut self,
+        leader: openraft::CommittedLeaderId<NodeId>,
+        proposer: u64,
+    ) -> bool {
+        match self.barrier.as_mut() {
+            Some(b) if self.leading.is_none() && b.stint == proposer && b.leader == leader => {
+                b.applied = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether an entry of `leader` proposed by `proposer` was proposed by this stint (and
+    /// so applied on this broker already).
+    pub fn is_ours(&self, leader: openraft::CommittedLeaderId<NodeId>, proposer: u64) -> bool {
+        self.leading == Some(leader) && self.stint != 0 && proposer == self.stint
+    }
 }
 
 /// Replication state of a cluster node (`Shared::replication`).
 pub struct Replication {
     pub me: NodeId,
-    /// Random per process start: marks the entries this process proposed.
-    pub proposer: u64,
+    /// `--raft-heartbeat-ms`.
+    pub heartbeat_ms: u64,
     pub state: parking_lot::Mutex<Proposals>,
     /// Wakes the proposer.
     wake: tokio::sync::Notify,
@@ -86,6 +129,8 @@ pub struct Replication {
     committed: AtomicU64,
     /// Connections whose outbox holds deliveries waiting for a commit.
     held: parking_lot::Mutex<Vec<ConnId>>,
+    /// When a leader's AppendEntries was last accepted here.
+    pub heard: Arc<net::Heard>,
 }
 
 impl std::fmt::Debug for Replication {
@@ -98,10 +143,10 @@ impl std::fmt::Debug for Replication {
 }
 
 impl Replication {
-    pub fn new(me: NodeId, info: NodeInfo, cluster_id: String) -> Self {
+    pub fn new(me: NodeId, heartbeat_ms: u64, info: NodeInfo, cluster_id: String) -> Self {
         Replication {
             me,
-            proposer: rand::random::<u64>() | 1,
+            heartbeat_ms,
             state: Default::default(),
             wake: Default::default(),
             raft: OnceLock::new(),
@@ -114,6 +159,7 @@ impl Replication {
             incarnation: AtomicU64::new(0),
             committed: AtomicU64::new(0),
             held: Default::default(),
+            heard: Default::default(),
         }
     }
 
@@ -206,6 +252,16 @@ impl Replication {
         let info = m.membership_config.membership().get_node(&id).cloned()?;
         Some((id, info))
     }
+
+    /// [`leader_info`](Self::leader_info) of a leader this follower heard from within a
+    /// lease: a leader cut off from it (and likely from the majority) is not handed clients,
+    /// which it could not serve, while the others elect a new one.
+    pub fn live_leader_info(&self) -> Option<(NodeId, NodeInfo)> {
+        let (id, info) = self.leader_info()?;
+        let lease = std::time::Duration::from_millis(lease_ms(self.heartbeat_ms));
+        let fresh = self.heard.since().is_some_and(|d| d < lease);
+        (id != self.me && fresh).then_some((id, info))
+    }
 }
 
 /// The cluster id: a hash of the sorted initial member list, so that nodes started with
@@ -269,9 +325,9 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     let sm = sm::StateMachine::new(shared.clone(), rep.clone())?;
     let config = openraft::Config {
         cluster_name: rep.cluster_id.clone(),
-        heartbeat_interval: 50,
-        election_timeout_min: 150,
-        election_timeout_max: 300,
+        heartbeat_interval: cfg.heartbeat_ms,
+        election_timeout_min: 3 * cfg.heartbeat_ms,
+        election_timeout_max: lease_ms(cfg.heartbeat_ms),
         // The whole transfer of a snapshot file and its install (a store of gigabytes).
         install_snapshot_timeout: 600_000,
         max_payload_entries: 64,
@@ -301,6 +357,7 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         rep.me,
         Some(rep.node_info()),
         shared.config.data_dir.join("raft-snapshot"),
+        rep.heard.clone(),
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
     if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
@@ -341,12 +398,17 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How long a leader goes on after a majority last acknowledged it. Followers elect no one
-/// before the election timeout (150-300 ms) past their leader's last heartbeat, and openraft
-/// makes them refuse votes within `election_timeout_max` of it: a lease shorter than that
-/// ends before another leader can exist.
-const LEASE_MS: u64 = 300;
-const LEASE_TICK_MS: u64 = 25;
+/// The default Raft heartbeat interval (`--raft-heartbeat-ms`), in ms.
+pub const HEARTBEAT_MS: u64 = 50;
+
+/// How long a leader goes on after a majority last acknowledged it (sent at most a heartbeat
+/// before). Followers elect no one before the election timeout (3 to 6 heartbeats) past
+/// their leader's last heartbeat, and openraft makes them refuse votes within
+/// `election_timeout_max` of it: a lease no longer than that ends before another leader can
+/// exist.
+fn lease_ms(heartbeat_ms: u64) -> u64 {
+    6 * heartbeat_ms
+}
 
 /// Entries between snapshots by default (each entry is a batch of changes).
 pub const SNAPSHOT_EVERY: u64 = 20_000;
@@ -427,13 +489,13 @@ async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 return;
             };
-            let (ops, ticket, clock_ms) = {
+            let (ops, ticket, clock_ms, stint) = {
                 let mut p = rep.state.lock();
                 if !p.unproposed || p.leading.is_none() {
                     break;
                 }
                 p.unproposed = false;
-                (std::mem::take(&mut p.ops), p.ticket, p.clock_ms)
+                (std::mem::take(&mut p.ops), p.ticket, p.clock_ms, p.stint)
             };
             let ops = match warren_storage::op_codec::encode_ops(&ops) {
                 Ok(b) => b,
@@ -444,7 +506,7 @@ async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
                 }
             };
             let batch = Batch {
-                proposer: rep.proposer,
+                proposer: stint,
                 ticket,
                 clock_ms,
                 ops,
@@ -483,7 +545,10 @@ async fn watch_leadership(
     let updating = Arc::new(AtomicBool::new(false));
     let mut member = false;
     let mut metrics = raft.metrics();
-    let mut tick = tokio::time::interval(std::time::Duration::from_millis(LEASE_TICK_MS));
+    let lease = lease_ms(rep.heartbeat_ms);
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(
+        (rep.heartbeat_ms / 2).max(5),
+    ));
     let mut lapsed = false;
     let mut fresh = true;
     // When this loop last read the metrics (ms since `epoch`).
@@ -498,21 +563,22 @@ async fn watch_leadership(
         fresh |= metrics.has_changed().unwrap_or(false);
         let now = rep.mono_ms();
         let m = metrics.borrow_and_update().clone();
-        // A node removed from the membership stops its Raft (it would campaign forever).
+        // A node not in the membership it knows is a learner to openraft: it campaigns for
+        // nothing. Its Raft keeps running, because the membership it knows may be history: a
+        // node wiped and added again replays its own removal (from its previous life) before
+        // the entry that added it back. Said once per change.
         let listed = m.membership_config.membership().get_node(&rep.me).is_some();
         if member && !listed && m.membership_config.log_id().is_some() {
-            demote(&shared, &rep, "removed from the cluster");
+            demote(&shared, &rep, "not in the cluster's membership");
             warn!(
                 node_id = rep.me,
-                "this node was removed from the cluster: its Raft stops (to serve again, \
-                 clear its data folder and add it as a new node)"
+                "this node is not in the cluster's membership (removed): it serves no one \
+                 until it is added again"
             );
-            let _ = raft.shutdown().await;
-            return;
         }
-        member |= listed;
+        member = listed;
         if let (Some(since), true) = (m.millis_since_quorum_ack, fresh) {
-            let until = read_at.saturating_sub(since) + LEASE_MS;
+            let until = read_at.saturating_sub(since) + lease;
             rep.lease_until.store(until, Ordering::Release);
         }
         read_at = now;
@@ -520,34 +586,43 @@ async fn watch_leadership(
         if expired && !lapsed {
             warn!(
                 node_id = rep.me,
-                lease_ms = LEASE_MS,
+                lease_ms = lease,
                 "no majority acknowledged this leader within its lease: stepping down"
             );
         }
         lapsed = expired;
-        let serving = (m.state == openraft::ServerState::Leader
+        // What Raft says: this node leads, in the term of this leader id.
+        let raft_leader = (m.state == openraft::ServerState::Leader
             && m.current_leader == Some(rep.me)
             && m.vote.is_committed())
-        .then(|| *m.vote.leader_id())
-        .filter(|lid| m.last_applied.is_some_and(|l| l.leader_id == *lid));
-        let (leading, diverged) = {
+        .then(|| *m.vote.leader_id());
+        let (leading, diverged, barrier) = {
             let p = rep.state.lock();
-            (p.leading, p.diverged)
+            (p.leading, p.diverged, p.barrier)
         };
-        if leading.is_some() && (leading != serving || diverged || expired) {
+        if leading.is_some() && (leading != raft_leader || diverged || expired) {
             let why = if expired {
                 "its lease expired (no majority heard from)"
+            } else if diverged {
+                "it applied an entry it did not propose"
             } else {
                 "this node stopped leading"
             };
             demote(&shared, &rep, why);
         } else if leading.is_some() && !updating.load(Ordering::Acquire) {
             update_addresses(&rep, &raft, &m, &learned, &updating);
-        } else if leading.is_none()
-            && serving.is_some()
-            && m.millis_since_quorum_ack.is_some_and(|ms| ms < LEASE_MS)
-        {
-            promote(&shared, &rep, serving);
+        } else if let (None, Some(lid)) = (leading, raft_leader) {
+            match barrier {
+                // The lease counts from fresh figures only (above): a leader that was frozen
+                // or cut off and still reads old ones does not serve again on them.
+                Some(b) if b.leader == lid && b.applied => {
+                    if rep.lease_valid() {
+                        promote(&shared, &rep, b);
+                    }
+                }
+                Some(b) if b.leader == lid => {}
+                _ => propose_barrier(&rep, &raft, lid),
+            }
         }
         tokio::select! {
             r = metrics.changed() => {
@@ -561,15 +636,56 @@ async fn watch_leadership(
     }
 }
 
-fn promote(
-    shared: &Arc<Shared>,
-    rep: &Replication,
-    lid: Option<openraft::CommittedLeaderId<NodeId>>,
+/// Start a stint: propose its barrier (an entry with no ops, marked with a new stint id).
+/// Should it not commit (leadership lost meanwhile), the next leadership proposes another.
+fn propose_barrier(
+    rep: &Arc<Replication>,
+    raft: &Raft,
+    leader: openraft::CommittedLeaderId<NodeId>,
 ) {
+    let stint = rand::random::<u64>() | 1;
+    let ops = match warren_storage::op_codec::encode_ops(&[]) {
+        Ok(b) => b,
+        Err(e) => {
+            error!(error = %e, "the barrier entry cannot be encoded");
+            return;
+        }
+    };
+    rep.state.lock().barrier = Some(Barrier {
+        leader,
+        stint,
+        applied: false,
+    });
+    info!(node_id = rep.me, leader = %leader, "Raft leader: proposing the barrier of a new stint");
+    let (rep, raft) = (rep.clone(), raft.clone());
+    tokio::spawn(async move {
+        let batch = Batch {
+            proposer: stint,
+            ticket: 0,
+            clock_ms: 0,
+            ops,
+        };
+        let committed = match raft.client_write_ff(batch).await {
+            Ok(rx) => matches!(rx.await, Ok(Ok(_))),
+            Err(_) => false,
+        };
+        if !committed {
+            let mut p = rep.state.lock();
+            if p.barrier.is_some_and(|b| b.stint == stint) {
+                p.barrier = None;
+            }
+        }
+    });
+}
+
+fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
+    let lid = barrier.leader;
     let mut broker = shared.lock();
     {
         let mut p = rep.state.lock();
-        p.leading = lid;
+        p.leading = Some(lid);
+        p.stint = barrier.stint;
+        p.barrier = None;
         p.diverged = false;
     }
     rep.leader.store(true, Ordering::Release);
@@ -587,7 +703,7 @@ fn promote(
             error!(error = %e.text, "creating the default user");
         }
     }
-    info!(node_id = rep.me, leader = ?lid, "leading: serving clients");
+    info!(node_id = rep.me, leader = %lid, "leading: serving clients");
     // The guard's drop parks the default users' journal for the first entry.
 }
 
@@ -642,6 +758,8 @@ pub fn demote(shared: &Arc<Shared>, rep: &Replication, why: &str) {
             return;
         }
         p.leading = None;
+        p.stint = 0;
+        p.barrier = None;
         p.diverged = false;
         p.ops.clear();
         p.unproposed = false;

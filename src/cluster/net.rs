@@ -220,10 +220,57 @@ pub async fn serve(
     me: NodeId,
     snapshots: std::path::PathBuf,
 ) {
-    serve_as(listener, raft, cluster, me, None, snapshots).await
+    serve_as(
+        listener,
+        raft,
+        cluster,
+        me,
+        None,
+        snapshots,
+        Default::default(),
+    )
+    .await
 }
 
-/// [`serve`], answering each handshake with this node's addresses `info`.
+/// When this node last accepted an AppendEntries (a leader's heartbeat or entries): a
+/// follower hands clients only to a leader it heard from lately (`Replication::leader_info`).
+#[derive(Debug)]
+pub struct Heard {
+    epoch: Instant,
+    /// Ms since `epoch` at the last accepted AppendEntries, plus one (0: never).
+    at: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Heard {
+    fn default() -> Self {
+        Heard {
+            epoch: Instant::now(),
+            at: Default::default(),
+        }
+    }
+}
+
+impl Heard {
+    fn mark(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64 + 1;
+        self.at.fetch_max(ms, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// How long ago the last AppendEntries was accepted (None: never).
+    pub fn since(&self) -> Option<Duration> {
+        match self.at.load(std::sync::atomic::Ordering::Acquire) {
+            0 => None,
+            at => Some(
+                self.epoch
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(at - 1)),
+            ),
+        }
+    }
+}
+
+/// [`serve`], answering each handshake with this node's addresses `info`, and marking in
+/// `heard` each AppendEntries accepted.
 pub async fn serve_as(
     listener: TcpListener,
     raft: Raft,
@@ -231,9 +278,10 @@ pub async fn serve_as(
     me: NodeId,
     info: Option<NodeInfo>,
     snapshots: std::path::PathBuf,
+    heard: Arc<Heard>,
 ) {
     let cluster: Arc<str> = cluster.into();
-    let info = Arc::new(info);
+    let info = Arc::new((info, heard));
     let snapshots = Arc::new(snapshots);
     let mut conns = tokio::task::JoinSet::new();
     loop {
@@ -288,9 +336,10 @@ async fn serve_conn(
     raft: Raft,
     cluster: Arc<str>,
     me: NodeId,
-    info: Arc<Option<NodeInfo>>,
+    info: Arc<(Option<NodeInfo>, Arc<Heard>)>,
     snapshots: Arc<std::path::PathBuf>,
 ) {
+    let heard = &info.1;
     if let Err(e) = stream.set_nodelay(true) {
         debug!("raft: set_nodelay on the connection from {peer}: {e}");
     }
@@ -338,7 +387,7 @@ async fn serve_conn(
         )
     };
     let ok = match encode(&Response::HelloOk {
-        info: (*info).clone(),
+        info: info.0.clone(),
         known,
         initialized,
     }) {
@@ -388,7 +437,15 @@ async fn serve_conn(
                 return;
             }
             Request::AppendEntries(rpc) => match raft.append_entries(rpc).await {
-                Ok(resp) => Response::AppendEntries(resp),
+                Ok(resp) => {
+                    if matches!(
+                        resp,
+                        AppendEntriesResponse::Success | AppendEntriesResponse::PartialSuccess(_)
+                    ) {
+                        heard.mark();
+                    }
+                    Response::AppendEntries(resp)
+                }
                 Err(e) => Response::RaftError(fatal_of(e)),
             },
             Request::Vote(rpc) => match raft.vote(rpc).await {

@@ -30,10 +30,7 @@ pub async fn serve(
             // Elected meanwhile: serve the client here.
             return crate::conn::serve(client, peer, shared, stop).await;
         }
-        if let Some((id, info)) = rep
-            .leader_info()
-            .filter(|(id, i)| *id != rep.me && !i.amqp.is_empty())
-        {
+        if let Some((id, info)) = rep.live_leader_info().filter(|(_, i)| !i.amqp.is_empty()) {
             match TcpStream::connect(&info.amqp).await {
                 Ok(s) => break (id, info, s),
                 Err(e) => {

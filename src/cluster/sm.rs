@@ -328,9 +328,11 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                         self.applied.membership = StoredMembership::new(Some(entry.log_id), m);
                     }
                     EntryPayload::Normal(batch) => {
-                        let ours = batch.proposer == self.rep.proposer
-                            && p.leading == Some(entry.log_id.leader_id);
-                        if ours {
+                        if p.barrier_applied(entry.log_id.leader_id, batch.proposer) {
+                            // This node's barrier: everything before it is applied now.
+                            continue;
+                        }
+                        if p.is_ours(entry.log_id.leader_id, batch.proposer) {
                             // Applied already: release the journals it covers.
                             committed = committed.max(batch.ticket);
                             while p.fifo.front().is_some_and(|f| f.ticket <= batch.ticket) {

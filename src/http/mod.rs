@@ -124,7 +124,7 @@ fn router(shared: Arc<Shared>) -> Router {
         )
         .route_layer(axum::middleware::from_fn_with_state(
             shared.clone(),
-            leader_only_changes,
+            to_the_leader,
         ))
         .route_layer(axum::middleware::from_fn_with_state(
             shared.clone(),
@@ -140,24 +140,59 @@ fn router(shared: Arc<Shared>) -> Router {
         .with_state(shared)
 }
 
-/// On a cluster node that does not lead, a change through the API would be a change the
-/// cluster never agreed on: it is refused with 503 naming the leader's management address
-/// (reads answer from this node's replicated state).
-async fn leader_only_changes(
+/// Marks a request a follower forwarded (its value: the follower's node id), so that it is
+/// never forwarded again (two nodes each naming the other leader, for a moment).
+const PROXIED: &str = "x-warren-proxied-by";
+
+/// How long a forwarded request may take, the leader's answer included.
+const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// On a cluster node that does not lead, the API is the leader's: every request (after the
+/// login, checked against the replicated users) is forwarded to the leader's management
+/// address and its answer copied back, so any node answers for the cluster, as RabbitMQ's
+/// nodes do. With no live leader known (an election under way, or this node cut off), reads
+/// answer from this node's replicated state and changes are refused with 503 naming the
+/// leader if one is known: a change the cluster never agreed on is never made here.
+async fn to_the_leader(
     State(shared): Api,
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if req.method() != axum::http::Method::GET && !shared.serves_clients() {
-        let leader = shared
-            .replication
-            .as_ref()
-            .and_then(|r| r.leader_info())
+    let Some(rep) = shared.replication.as_ref() else {
+        return next.run(req).await;
+    };
+    if shared.serves_clients() {
+        return next.run(req).await;
+    }
+    let leader = if req.headers().contains_key(PROXIED) {
+        None
+    } else {
+        rep.live_leader_info().filter(|(_, n)| !n.http.is_empty())
+    };
+    if let Some((id, node)) = leader {
+        return match tokio::time::timeout(FORWARD_TIMEOUT, forward(&node.http, rep.me, req)).await {
+            Ok(Ok(response)) => response,
+            Ok(Err(e)) => proxy_error(format!(
+                "forwarding to the leader, node {id} at http://{}: {e}",
+                node.http
+            )),
+            Err(_) => proxy_error(format!(
+                "the leader, node {id} at http://{}, did not answer within {} s",
+                node.http,
+                FORWARD_TIMEOUT.as_secs()
+            )),
+        };
+    }
+    if req.method() != axum::http::Method::GET {
+        let leader = rep
+            .leader_info()
+            .filter(|(id, _)| *id != rep.me)
             .map(|(id, n)| format!("node {id} at http://{}", n.http));
         let reason = match leader {
-            Some(l) => {
-                format!("this node does not lead the cluster; send changes to the leader, {l}")
-            }
+            Some(l) => format!(
+                "this node does not lead the cluster and cannot reach the leader; send changes \
+                 to the leader, {l}"
+            ),
             None => "this node does not lead the cluster and no leader is known yet".into(),
         };
         return (
@@ -167,6 +202,40 @@ async fn leader_only_changes(
             .into_response();
     }
     next.run(req).await
+}
+
+fn proxy_error(reason: String) -> Response {
+    tracing::warn!("{reason}");
+    (
+        StatusCode::BAD_GATEWAY,
+        Json(serde_json::json!({"error": "bad_gateway", "reason": reason})),
+    )
+        .into_response()
+}
+
+/// Send `req` to the management API at `addr` over a new HTTP/1.1 connection (hyper's
+/// client) and hand back its answer, the body streamed.
+async fn forward(addr: &str, me: u64, mut req: axum::extract::Request) -> Result<Response, String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = stream.set_nodelay(true);
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "a forwarded API connection ended");
+        }
+    });
+    req.headers_mut().insert(PROXIED, HeaderValue::from(me));
+    // Origin form (path and query), as the request arrived here.
+    if let Some(pq) = req.uri().path_and_query().cloned() {
+        *req.uri_mut() = axum::http::Uri::from(pq);
+    }
+    let response = sender.send_request(req).await.map_err(|e| e.to_string())?;
+    Ok(response.map(axum::body::Body::new))
 }
 
 type Api = State<Arc<Shared>>;

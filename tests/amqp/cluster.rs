@@ -9,12 +9,20 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::time::{Duration, Instant};
 
+/// A free port below the kernel's ephemeral range (32768 and up here): a port in that range
+/// can be taken at any moment as the local port of an outgoing connection, and a node
+/// restarted on it would fail to bind.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    // Each test process starts at its own place in 10000..32000.
+    static NEXT: std::sync::OnceLock<AtomicU32> = std::sync::OnceLock::new();
+    let next = NEXT.get_or_init(|| AtomicU32::new(std::process::id() % 2_000 * 11));
+    loop {
+        let port = 10_000 + (next.fetch_add(1, Ordering::AcqRel) % 22_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 pub struct Node {
@@ -273,6 +281,18 @@ impl Cluster {
         self.spawn(&mut node);
         self.nodes.push(node);
         self.nodes.len() - 1
+    }
+
+    /// SIGKILL every node, then start them all again (same data).
+    pub fn restart_all(&mut self) {
+        for node in &mut self.nodes {
+            node.kill();
+        }
+        for i in 0..self.nodes.len() {
+            let mut node = std::mem::replace(&mut self.nodes[i], Node::placeholder());
+            self.spawn(&mut node);
+            self.nodes[i] = node;
+        }
     }
 
     pub fn restart(&mut self, i: usize) {
@@ -925,4 +945,107 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     assert!(log.contains("unfinished snapshot install"), "{log}");
     // The others go on.
     publish_confirmed(&conn, "big", 5000, 1).await;
+}
+
+/// `method path` with a JSON body on node `n`'s management API as guest, with extra headers:
+/// the status and the body.
+fn http_call(
+    n: &Node,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
+    let uri = format!("http://127.0.0.1:{}{path}", n.http);
+    let mut req = ureq::http::Request::builder()
+        .method(method)
+        .uri(&uri)
+        .header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(body.unwrap_or("").to_string()).unwrap();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .allow_non_standard_methods(true)
+        .build()
+        .into();
+    let mut r = agent.run(req).unwrap();
+    let status = r.status().as_u16();
+    (status, r.body_mut().read_to_string().unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followers_management_api_is_the_leaders() {
+    let c = Cluster::start(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let follower = (leader + 1) % 3;
+    let (f, l) = (&c.nodes[follower], &c.nodes[leader]);
+    // Wait until the follower has heard from this leader (it forwards only to a live one).
+    let deadline = Instant::now() + WAIT;
+    while f.status().map(|s| s["leader_id"].clone()) != Some(l.id.into()) {
+        assert!(Instant::now() < deadline, "the follower names no leader");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // A change through the follower is made by the leader (and answered as it answers).
+    let (status, body) = http_call(
+        f,
+        "PUT",
+        "/api/queues/%2f/through-a-follower",
+        Some(r#"{"durable":true,"arguments":{"x-max-length":7}}"#),
+        &[],
+    );
+    assert!(status == 201 || status == 204, "{status} {body}");
+    let q = l.get("/api/queues/%2f/through-a-follower").unwrap();
+    assert_eq!(q["arguments"]["x-max-length"], 7, "{q}");
+    // An AMQP connection to the leader shows in the follower's API: it is the leader's list.
+    let conn = connect(&l.url()).await;
+    publish_confirmed(&conn, "through-a-follower", 0, 3).await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let conns = f.get("/api/connections").unwrap();
+        let q = f.get("/api/queues/%2f/through-a-follower").unwrap();
+        if conns.as_array().unwrap().len() == 1 && q["messages"] == 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{conns} {q}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Errors come back as the leader gives them.
+    let (status, body) = http_call(f, "GET", "/api/queues/%2f/no-such-queue", None, &[]);
+    assert_eq!(status, 404, "{body}");
+    // A request another node already forwarded is not forwarded again: a change is refused
+    // here, a read answers from this node's replicated state.
+    let (status, body) = http_call(
+        f,
+        "DELETE",
+        "/api/queues/%2f/through-a-follower",
+        None,
+        &[("x-warren-proxied-by", "9")],
+    );
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("not_leader"), "{body}");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (status, body) = http_call(
+            f,
+            "GET",
+            "/api/queues/%2f/through-a-follower",
+            None,
+            &[("x-warren-proxied-by", "9")],
+        );
+        if status == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status} {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // And deleted through the follower.
+    let (status, body) = http_call(f, "DELETE", "/api/queues/%2f/through-a-follower", None, &[]);
+    assert_eq!(status, 204, "{body}");
+    let (status, _) = http_call(l, "GET", "/api/queues/%2f/through-a-follower", None, &[]);
+    assert_eq!(status, 404);
 }
