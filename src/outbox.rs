@@ -256,6 +256,15 @@ impl Outbox {
         held.marks.clear();
     }
 
+    /// Whether `take` would hand over something now (bytes before the first hold).
+    pub(crate) fn has_unheld(&self) -> bool {
+        let held = self.held.lock();
+        match held.marks.front() {
+            Some(first) => first.from.min(self.len()) > 0,
+            None => !self.is_empty(),
+        }
+    }
+
     pub(crate) fn is_held(&self) -> bool {
         !self.held.lock().marks.is_empty()
     }

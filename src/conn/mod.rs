@@ -396,7 +396,10 @@ async fn write_loop(
         {
             since_refill = 0;
             refill(&shared, &outbox);
-            if !outbox.is_empty() {
+            // Only what can go now: bytes behind a hold (deliveries waiting for their commit)
+            // wait for the release to wake us. Looping on them spun here, taking the broker
+            // lock over and over, and starved the node (seen under load on a cluster).
+            if outbox.has_unheld() {
                 continue;
             }
         }
