@@ -215,7 +215,11 @@ fn sync_loop(db: &RaftLogDb, rx: &mpsc::Receiver<LogFlushed<TypeConfig>>) {
             None => db.sync().map_err(|e| e.to_string()),
         };
         if let (Err(e), None) = (&result, &failed) {
-            tracing::error!("raft log fsync failed; no later append is reported durable: {e}");
+            tracing::error!(
+                "the Raft log cannot be made durable ({e}): no later append is reported \
+                 durable, and this node stops replicating (the others go on while they are a \
+                 majority); free space or mend the disk, then restart it: it catches up"
+            );
             failed = Some(e.clone());
         }
         for callback in pending {
@@ -399,6 +403,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             .collect::<Result<Vec<_>, _>>()?;
         let refs: Vec<(u64, &[u8])> = encoded.iter().map(|(i, b)| (*i, b.as_slice())).collect();
         if let Err(e) = self.db().append(&refs) {
+            tracing::error!(
+                "the Raft log cannot be written ({e}): this node stops replicating (the others \
+                 go on while they are a majority); free space or mend the disk, then restart \
+                 it: it catches up"
+            );
             callback.log_io_completed(Err(io::Error::other(e.to_string())));
             return Err(write_logs(e));
         }

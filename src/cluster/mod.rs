@@ -55,11 +55,9 @@ pub struct Proposals {
     pub leading: Option<openraft::CommittedLeaderId<NodeId>>,
     /// Journals waiting for the entry that covers their ticket.
     pub fifo: VecDeque<Part>,
-    /// Replicated ops not yet proposed, the highest ticket among them, and the broker clock.
-    ops: Vec<Op>,
-    ticket: u64,
-    clock_ms: u64,
-    unproposed: bool,
+    /// Replicated ops not yet proposed, one group per journal batch (parked together, so
+    /// proposed together: a group is atomic, a transaction's commit for one).
+    unproposed: VecDeque<Unproposed>,
     /// Set by the state machine when it saw an entry it cannot reconcile with leading.
     pub diverged: bool,
     /// While leading: the stint id its proposals carry (`Batch::proposer`); 0 otherwise.
@@ -97,6 +95,29 @@ impl Proposals {
     /// so applied on this broker already).
     pub fn is_ours(&self, leader: openraft::CommittedLeaderId<NodeId>, proposer: u64) -> bool {
         self.leading == Some(leader) && self.stint != 0 && proposer == self.stint
+    }
+}
+
+/// One journal batch's replicated ops, waiting for the proposer.
+struct Unproposed {
+    ops: Vec<Op>,
+    ticket: u64,
+    clock_ms: u64,
+    bytes: usize,
+}
+
+/// About how many bytes an entry gathers at most (at least one journal batch whatever its
+/// size). openraft gives an AppendEntries one heartbeat interval to come back, the follower's
+/// fsync of it included: an entry of all that arrived during a slow fsync, megabytes of large
+/// messages, could take longer every time it was sent, and the leader would never hear a
+/// majority again.
+const ENTRY_BYTES: usize = 1 << 20;
+
+/// A rough size of an op in an entry (message bodies dominate).
+fn op_bytes(op: &Op) -> usize {
+    match op {
+        Op::Enqueue { body, .. } => body.len() + 64,
+        _ => 64,
     }
 }
 
@@ -234,11 +255,15 @@ impl Replication {
         if p.leading.is_none() {
             return Some(part);
         }
-        p.ticket = p.ticket.max(part.ticket);
+        let ticket = part.ticket;
         p.fifo.push_back(part);
-        p.ops.extend(ops);
-        p.clock_ms = clock_ms;
-        p.unproposed = true;
+        let bytes = ops.iter().map(op_bytes).sum();
+        p.unproposed.push_back(Unproposed {
+            ops,
+            ticket,
+            clock_ms,
+            bytes,
+        });
         drop(p);
         self.wake.notify_one();
         None
@@ -328,6 +353,8 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         heartbeat_interval: cfg.heartbeat_ms,
         election_timeout_min: 3 * cfg.heartbeat_ms,
         election_timeout_max: lease_ms(cfg.heartbeat_ms),
+        // No election of its own in the first moments after a start (see below).
+        enable_elect: false,
         // The whole transfer of a snapshot file and its install (a store of gigabytes).
         install_snapshot_timeout: 600_000,
         max_payload_entries: 64,
@@ -350,6 +377,19 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         .await
         .context("starting Raft")?;
     let _ = rep.raft.set(raft.clone());
+    // A node that starts gives the leader time to reach it before it campaigns: the leader
+    // retries an unreachable peer only after a backoff, and a restarted node that campaigned
+    // first would, with its higher term, depose a leader that the others follow (openraft
+    // 0.9 has no pre-vote). A cluster starting together elects after this, a leader restored
+    // by openraft leads at once.
+    {
+        let raft = raft.clone();
+        let grace = std::time::Duration::from_millis(2 * lease_ms(cfg.heartbeat_ms));
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            raft.runtime_config().elect(true);
+        });
+    }
     tokio::spawn(net::serve_as(
         listener,
         raft.clone(),
@@ -491,11 +531,23 @@ async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
             };
             let (ops, ticket, clock_ms, stint) = {
                 let mut p = rep.state.lock();
-                if !p.unproposed || p.leading.is_none() {
+                if p.unproposed.is_empty() || p.leading.is_none() {
                     break;
                 }
-                p.unproposed = false;
-                (std::mem::take(&mut p.ops), p.ticket, p.clock_ms, p.stint)
+                let (mut ops, mut ticket, mut clock_ms, mut bytes) = (Vec::new(), 0, 0, 0);
+                while let Some(u) = p.unproposed.front() {
+                    if bytes > 0 && bytes + u.bytes > ENTRY_BYTES {
+                        break;
+                    }
+                    let Some(u) = p.unproposed.pop_front() else {
+                        break;
+                    };
+                    ops.extend(u.ops);
+                    ticket = ticket.max(u.ticket);
+                    clock_ms = clock_ms.max(u.clock_ms);
+                    bytes += u.bytes;
+                }
+                (ops, ticket, clock_ms, p.stint)
             };
             let ops = match warren_storage::op_codec::encode_ops(&ops) {
                 Ok(b) => b,
@@ -761,8 +813,7 @@ pub fn demote(shared: &Arc<Shared>, rep: &Replication, why: &str) {
         p.stint = 0;
         p.barrier = None;
         p.diverged = false;
-        p.ops.clear();
-        p.unproposed = false;
+        p.unproposed.clear();
         p.fifo.drain(..).collect()
     };
     rep.leader.store(false, Ordering::Release);

@@ -35,6 +35,8 @@ pub struct Node {
     pub log: Option<std::path::PathBuf>,
     /// Stopped by SIGSTOP: nothing asks it anything (it would not answer).
     pub paused: bool,
+    /// Extra environment of the process.
+    pub env: Vec<(String, String)>,
 }
 
 impl Drop for Node {
@@ -54,6 +56,7 @@ impl Node {
             child: None,
             log: None,
             paused: false,
+            env: Vec::new(),
         }
     }
 
@@ -66,6 +69,7 @@ impl Node {
             child: None,
             log: None,
             paused: false,
+            env: Vec::new(),
         }
     }
 
@@ -203,7 +207,21 @@ impl Cluster {
 
     /// `n` nodes whose data folders are `<dir>/n<id>` (they may hold data already).
     pub fn start_in(dir: tempfile::TempDir, n: u64, extra: &[&str], logged: bool) -> Cluster {
+        Self::start_in_env(dir, n, extra, logged, &|_| Vec::new())
+    }
+
+    /// [`start_in`](Self::start_in), node `id`'s process with the extra environment `env(id)`.
+    pub fn start_in_env(
+        dir: tempfile::TempDir,
+        n: u64,
+        extra: &[&str],
+        logged: bool,
+        env: &dyn Fn(u64) -> Vec<(String, String)>,
+    ) -> Cluster {
         let mut nodes: Vec<Node> = (1..=n).map(Node::new).collect();
+        for node in nodes.iter_mut() {
+            node.env = env(node.id);
+        }
         let peers = nodes
             .iter()
             .map(|n| format!("{}=127.0.0.1:{}", n.id, n.raft))
@@ -267,6 +285,7 @@ impl Cluster {
             .arg(&data)
             .env("WARREN_LOG", filter)
             .env("NO_COLOR", "1")
+            .envs(node.env.iter().cloned())
             .stdout(std::process::Stdio::null())
             .stderr(stderr)
             .spawn()
