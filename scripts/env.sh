@@ -20,6 +20,19 @@ ensure_system_packages() {
     fi
 }
 
+# What only the tests need: libfaketime (a node's wall clock jumps in tests/amqp/cluster_faults.rs).
+ensure_test_packages() {
+    if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
+        if [ "$(id -u)" = 0 ]; then
+            echo "installing: faketime"
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime
+        else
+            echo "please install: faketime" >&2
+            return 1
+        fi
+    fi
+}
+
 ensure_python_env() {
     if [ ! -x "$WARREN_VENV/bin/python" ]; then
         python3 -m venv "$WARREN_VENV"

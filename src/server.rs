@@ -103,6 +103,7 @@ pub async fn serve(
             }
         }
     });
+    let clock_watch = tokio::spawn(crate::clock::watch_jumps());
     // Expired messages leave their queues even when nobody consumes (RabbitMQ removes them at
     // the head); a tick is cheap when no queue holds expiring messages.
     let ticker = tokio::spawn({
@@ -205,6 +206,7 @@ pub async fn serve(
     }
     info!("shutting down: closing connections");
     ticker.abort();
+    clock_watch.abort();
     disk_monitor.abort();
     memory_monitor.abort();
     if let Some(m) = management {
