@@ -1,11 +1,17 @@
 #!/usr/bin/env python3
 """Issue 15 point 9: confirmed persistent publishing (S2's shape: 1 KiB persistent messages,
 confirms with a window of 1000, a consumer with manual acks, prefetch 1000, a multi-ack every
-100) on a single Warren node and on a 3-node Warren cluster (through the leader), in one run.
+100) on a single Warren node, on a 3-node Warren cluster (through the leader; a classic durable
+queue and a quorum queue), and on a 3-node RabbitMQ cluster with a quorum queue, in one run, all
+on this machine and loaded by the same `warren perf`.
 
     python3 scripts/cluster_bench.py [--binary PATH] [--seconds 10] [--rounds 2]
+        [--no-rabbitmq] [--install-rabbitmq]
 
-Without --binary it builds the release binary. Prints one row per setup (best of the rounds).
+Without --binary it builds the release binary. RabbitMQ runs three nodes of Debian's
+rabbitmq-server (node names warrenbench1..3@<host>, their own ports and folders, clustered with
+`rabbitmqctl join_cluster`); --install-rabbitmq installs the package if it is missing
+(apt-get). Prints one row per setup (best of the rounds).
 """
 
 import argparse
@@ -35,12 +41,19 @@ def kill_all():
 
 
 def free_port():
+    # Below the ephemeral range (see clusterlib.free_base).
+    import random
     import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
+    while True:
+        p = random.randrange(10000, 30000)
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", p))
+            return p
+        except OSError:
+            continue
+        finally:
+            s.close()
 
 
 def wait_port(port, timeout=30):
@@ -91,9 +104,69 @@ def start(binary, dirpath, nodes):
     raise RuntimeError("no leader")
 
 
-def perf(binary, port, seconds):
+RABBIT_NODES = []
+
+
+def rabbitmqctl(node, *args, timeout=120):
+    return subprocess.run(["rabbitmqctl", "-n", node] + list(args), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_rabbitmq(dirpath):
+    """Three RabbitMQ nodes on this machine, clustered. Returns the first node's AMQP port (the
+    quorum queue is declared through it, so it leads the queue)."""
+    import socket
+    host = socket.gethostname().split(".")[0]
+    plugins = os.path.join(dirpath, "enabled_plugins")
+    with open(plugins, "w") as f:
+        f.write("[].\n")
+    names, amqps = [], []
+    for i in range(3):
+        name = "warrenbench%d@%s" % (i + 1, host)
+        amqp, dist = free_port(), free_port()
+        base = os.path.join(dirpath, "rabbit%d" % (i + 1))
+        os.makedirs(base, exist_ok=True)
+        env = dict(os.environ, RABBITMQ_NODENAME=name, RABBITMQ_NODE_PORT=str(amqp),
+                   RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", RABBITMQ_DIST_PORT=str(dist),
+                   RABBITMQ_MNESIA_BASE=os.path.join(base, "mnesia"),
+                   RABBITMQ_LOG_BASE=os.path.join(base, "log"),
+                   RABBITMQ_PID_FILE=os.path.join(base, "pid"),
+                   RABBITMQ_ENABLED_PLUGINS_FILE=plugins,
+                   RABBITMQ_CONFIG_FILE=os.path.join(base, "none"))
+        log = open(os.path.join(base, "stdout.log"), "w")
+        CHILDREN.append(subprocess.Popen(["rabbitmq-server"], stdout=log, stderr=log, env=env))
+        RABBIT_NODES.append(name)
+        names.append(name)
+        amqps.append(amqp)
+    for name in names:
+        r = rabbitmqctl(name, "await_startup", "--timeout", "120", timeout=150)
+        if r.returncode != 0:
+            raise RuntimeError("RabbitMQ node %s did not start: %s" % (name, r.stderr[-1000:]))
+    for name in names[1:]:
+        for args in (["stop_app"], ["join_cluster", names[0]], ["start_app"]):
+            r = rabbitmqctl(name, *args)
+            if r.returncode != 0:
+                raise RuntimeError("rabbitmqctl %s %s: %s" % (name, args, r.stderr[-1000:]))
+    r = rabbitmqctl(names[0], "cluster_status", "--formatter", "json")
+    running = json.loads(r.stdout).get("running_nodes", []) if r.returncode == 0 else []
+    if len(running) != 3:
+        raise RuntimeError("the RabbitMQ cluster did not form: %s %s" % (r.stdout, r.stderr))
+    wait_port(amqps[0])
+    return amqps[0]
+
+
+def stop_rabbitmq():
+    for name in RABBIT_NODES:
+        try:
+            rabbitmqctl(name, "stop", timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+    RABBIT_NODES.clear()
+
+
+def perf(binary, port, seconds, extra=()):
     uri = "amqp://guest:guest@127.0.0.1:%d/%%2f" % port
-    cmd = [binary, "perf", "--uri", uri, "--duration", str(seconds), "--json"] + S2
+    cmd = [binary, "perf", "--uri", uri, "--duration", str(seconds), "--json"] + S2 + list(extra)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if not lines:
@@ -106,29 +179,53 @@ def main():
     ap.add_argument("--binary")
     ap.add_argument("--seconds", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--no-rabbitmq", action="store_true")
+    ap.add_argument("--install-rabbitmq", action="store_true")
     a = ap.parse_args()
+    rabbit = not a.no_rabbitmq
+    if rabbit and shutil.which("rabbitmq-server") is None:
+        if a.install_rabbitmq:
+            subprocess.run(["apt-get", "install", "-y", "rabbitmq-server"], check=True,
+                           env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            # The package may start its own node: it would hold the shared Erlang cookie's
+            # node name but nothing else; stop it so only the benchmark's nodes run.
+            subprocess.run(["rabbitmqctl", "stop"], capture_output=True)
+        else:
+            print("rabbitmq-server is not installed (--install-rabbitmq, or --no-rabbitmq)")
+            rabbit = False
     binary = a.binary
     if not binary:
         target = os.environ.get("CARGO_TARGET_DIR", os.path.expanduser("~/.cache/warren/target"))
         subprocess.run(["cargo", "build", "--release", "--bin", "warren"], cwd=ROOT, check=True,
                        env=dict(os.environ, CARGO_TARGET_DIR=target))
         binary = os.path.join(target, "release", "warren")
-    signal.signal(signal.SIGTERM, lambda *_: (kill_all(), sys.exit(1)))
+    signal.signal(signal.SIGTERM, lambda *_: (stop_rabbitmq(), kill_all(), sys.exit(1)))
     rows = []
     try:
-        for nodes, name in [(1, "Warren, single node"), (3, "Warren, 3-node cluster (leader)")]:
+        setups = [("warren", 1, [], "Warren, single node (classic durable queue)"),
+                  ("warren", 3, [], "Warren, 3-node cluster (classic durable queue)"),
+                  ("warren", 3, ["--queue-type", "quorum"], "Warren, 3-node cluster (quorum queue)")]
+        if rabbit:
+            setups.append(("rabbitmq", 3, ["--queue-type", "quorum"],
+                           "RabbitMQ 3.10, 3-node cluster (quorum queue)"))
+        for broker, nodes, extra, name in setups:
             best = None
             for _ in range(a.rounds):
                 d = tempfile.mkdtemp(prefix="warren-cbench-")
                 try:
-                    port = start(binary, d, nodes)
-                    r = perf(binary, port, a.seconds)
+                    if broker == "warren":
+                        port = start(binary, d, nodes)
+                    else:
+                        port = start_rabbitmq(d)
+                    r = perf(binary, port, a.seconds, extra)
                 finally:
+                    stop_rabbitmq()
                     kill_all()
                     shutil.rmtree(d, ignore_errors=True)
                 r["confirmed_per_sec"] = r["confirmed"] / r["seconds"]
                 if best is None or r["confirmed_per_sec"] > best["confirmed_per_sec"]:
                     best = r
+            print("%s: %.0f confirmed msg/s" % (name, best["confirmed_per_sec"]), flush=True)
             rows.append((name, best))
     finally:
         kill_all()

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 ensure_system_packages
+ensure_test_packages
 ensure_python_env
 
 echo "== cargo fmt --check"
@@ -20,3 +21,7 @@ bash compat/go-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/node/run.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/py-suites.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"
+echo "== chaos: 3 nodes behind Raft fault proxies, a seeded nemesis, the history checked"
+# The short variant (about 2 minutes); scripts/chaos.py --runs 50 is the long one.
+"$WARREN_VENV/bin/python" scripts/chaos.py --seed "${WARREN_CHAOS_SEED:-1}" --duration 90 \
+    --binary "$CARGO_TARGET_DIR/debug/warren"

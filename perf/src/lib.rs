@@ -84,6 +84,9 @@ pub struct PerfArgs {
     /// Queue name prefix.
     #[arg(long, default_value = "perf")]
     pub queue_prefix: String,
+    /// The queues' `x-queue-type` (classic, quorum); none: the broker's default.
+    #[arg(long)]
+    pub queue_type: Option<String>,
     /// Print the summary as JSON.
     #[arg(long)]
     pub json: bool,
@@ -274,6 +277,17 @@ fn assigned_queues(n: usize, workers: usize, queues: usize) -> Vec<usize> {
     }
 }
 
+fn queue_arguments(args: &PerfArgs) -> FieldTable {
+    let mut t = FieldTable::default();
+    if let Some(kind) = &args.queue_type {
+        t.insert(
+            "x-queue-type".into(),
+            amq_protocol::types::AMQPValue::LongString(kind.as_str().into()),
+        );
+    }
+    t
+}
+
 fn fanout_name(args: &PerfArgs) -> String {
     format!("{}-fanout", args.queue_prefix)
 }
@@ -302,6 +316,7 @@ async fn setup(t: &Target, args: &PerfArgs) -> anyhow::Result<()> {
             AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
                 queue: name.as_str().into(),
                 durable: args.persistent,
+                arguments: queue_arguments(args),
                 ..Default::default()
             })),
         )
