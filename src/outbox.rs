@@ -163,17 +163,7 @@ impl Outbox {
     /// whatever the writer takes meanwhile. (Registering the hold after the push, at a
     /// position read before it, let a busy writer send the reply first: issue 13 point 7.)
     pub(crate) fn hold_begin(&self) -> HoldId {
-        let mut held = self.held.lock();
-        let from = self.buf.lock().len();
-        let id = held.next_id;
-        held.next_id += 1;
-        held.marks.push_back(Mark {
-            id,
-            from,
-            ticket: 0,
-            pending: true,
-        });
-        HoldId(id)
+        HoldId(self.push_mark(&mut self.held.lock(), 0, true))
     }
 
     /// The bytes pushed since `hold_begin` wait for commit `ticket`; with None (nothing was
@@ -211,6 +201,11 @@ impl Outbox {
         {
             return;
         }
+        self.push_mark(&mut held, ticket, false);
+    }
+
+    /// A new hold mark at the end of what is pushed so far; its id.
+    fn push_mark(&self, held: &mut Holds, ticket: u64, pending: bool) -> u64 {
         let from = self.buf.lock().len();
         let id = held.next_id;
         held.next_id += 1;
@@ -218,8 +213,9 @@ impl Outbox {
             id,
             from,
             ticket,
-            pending: false,
+            pending,
         });
+        id
     }
 
     /// Commit `ticket` is done (and every one before it: commits are done in order): release

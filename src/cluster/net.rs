@@ -1718,7 +1718,7 @@ mod tests {
         assert!(matches!(err, RPCError::Unreachable(_)), "{err}");
 
         let ms: Vec<u128> = net.backoff().take(7).map(|d| d.as_millis()).collect();
-        assert_eq!(ms, vec![20, 40, 80, 160, 320, 500, 500]);
+        assert_eq!(ms, vec![20, 40, 80, 100, 100, 100, 100]);
     }
 
     // --- The messages -------------------------------------------------------------------------

@@ -248,19 +248,7 @@ impl Store for MemStore {
             .state
             .lock()
             .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
-        let mut ops = Vec::new();
-        for (name, u) in &s.users {
-            ops.push(crate::op::put_user(name, u));
-        }
-        for ((vhost, name), x) in &s.exchanges {
-            ops.push(crate::op::declare_exchange(vhost, name, x));
-        }
-        for ((vhost, name), q) in &s.queues {
-            ops.push(crate::op::declare_queue(vhost, name, q));
-        }
-        for b in &s.bindings {
-            ops.push(crate::op::bind(b));
-        }
+        let ops = definition_ops(&s);
         // What was spilled is gone, and queues that were never declared durably with it.
         let State {
             queues, messages, ..
@@ -348,6 +336,24 @@ pub fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSu
     levels
 }
 
+/// Every definition as the op that makes it: users, exchanges, queues, then bindings.
+fn definition_ops(s: &State) -> Vec<Op> {
+    let mut ops = Vec::new();
+    for (name, u) in &s.users {
+        ops.push(crate::op::put_user(name, u));
+    }
+    for ((vhost, name), x) in &s.exchanges {
+        ops.push(crate::op::declare_exchange(vhost, name, x));
+    }
+    for ((vhost, name), q) in &s.queues {
+        ops.push(crate::op::declare_queue(vhost, name, q));
+    }
+    for b in &s.bindings {
+        ops.push(crate::op::bind(b));
+    }
+    ops
+}
+
 impl MemStore {
     /// What `snapshot_to` streams, taken under the lock.
     fn snapshot_ops(&self) -> Result<Vec<Op>, StoreError> {
@@ -355,19 +361,7 @@ impl MemStore {
             .state
             .lock()
             .map_err(|_| StoreError::Io("store lock poisoned".into()))?;
-        let mut ops = Vec::new();
-        for (name, u) in &s.users {
-            ops.push(crate::op::put_user(name, u));
-        }
-        for ((vhost, name), x) in &s.exchanges {
-            ops.push(crate::op::declare_exchange(vhost, name, x));
-        }
-        for ((vhost, name), q) in &s.queues {
-            ops.push(crate::op::declare_queue(vhost, name, q));
-        }
-        for b in &s.bindings {
-            ops.push(crate::op::bind(b));
-        }
+        let mut ops = definition_ops(&s);
         for ((vhost, name), messages) in &s.messages {
             if !s.queues.contains_key(&(vhost.clone(), name.clone())) {
                 continue;

@@ -410,6 +410,18 @@ pub async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    publish_confirmed_with(&ch, queue, from, n, |i| i.to_string().into_bytes()).await;
+}
+
+/// Publish ids `from..from + n` persistently with bodies `body(id)` on confirming channel
+/// `ch` (all in flight), asserting each is acked within `WAIT`.
+pub async fn publish_confirmed_with(
+    ch: &lapin::Channel,
+    queue: &str,
+    from: u32,
+    n: u32,
+    body: impl Fn(u32) -> Vec<u8>,
+) {
     let mut pending = Vec::new();
     for i in from..from + n {
         pending.push(
@@ -417,7 +429,7 @@ pub async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32
                 "".into(),
                 queue.into(),
                 BasicPublishOptions::default(),
-                i.to_string().as_bytes(),
+                &body(i),
                 BasicProperties::default().with_delivery_mode(2),
             )
             .await
@@ -425,7 +437,8 @@ pub async fn publish_confirmed(conn: &Connection, queue: &str, from: u32, n: u32
         );
     }
     for p in pending {
-        assert!(p.await.unwrap().is_ack());
+        let confirm = tokio::time::timeout(WAIT, p).await.expect("no confirm");
+        assert!(confirm.unwrap().is_ack(), "a publish was nacked");
     }
 }
 

@@ -4,7 +4,9 @@
 //! started with another member list is refused, a Raft peer sending garbage is refused while
 //! the node goes on serving, and a follower killed and restarted catches up.
 
-use super::cluster::{connect, declare, publish_confirmed, replicated, Cluster, Node};
+use super::cluster::{
+    connect, declare, publish_confirmed, publish_confirmed_with, replicated, Cluster, Node,
+};
 use super::common::WAIT;
 use futures::StreamExt;
 use lapin::options::*;
@@ -1090,28 +1092,6 @@ fn incompressible(id: u32) -> Vec<u8> {
     b
 }
 
-/// Publish ids `from..from + n` with confirms (all in flight), asserting each is acked.
-async fn publish_incompressible(ch: &Channel, queue: &str, from: u32, n: u32) {
-    let mut pending = Vec::new();
-    for i in from..from + n {
-        pending.push(
-            ch.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                &incompressible(i),
-                persistent(),
-            )
-            .await
-            .unwrap(),
-        );
-    }
-    for p in pending {
-        let confirm = tokio::time::timeout(WAIT, p).await.expect("no confirm");
-        assert!(confirm.unwrap().is_ack(), "a publish was nacked");
-    }
-}
-
 /// Issue 15 point 10: a follower whose disk fills (its data folder on a small tmpfs; needs
 /// root, as the test command runs; WARREN_SKIP_MOUNT_TESTS=1 skips it). It says so in its
 /// log and stops replicating; the leader and the other follower, a majority, go on
@@ -1151,7 +1131,7 @@ async fn a_follower_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
     let ch = confirm_channel(&conn).await;
     let mut sent = 0;
     let failed = loop {
-        publish_incompressible(&ch, "fill", sent, 500).await;
+        publish_confirmed_with(&ch, "fill", sent, 500, incompressible).await;
         sent += 500;
         let log = c.nodes[2].log_text();
         if log.contains("No space left on device") {
@@ -1166,7 +1146,7 @@ async fn a_follower_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
     };
     eprintln!("after {sent} messages the follower logged: {failed}");
     // The majority goes on.
-    publish_incompressible(&ch, "fill", sent, 2000).await;
+    publish_confirmed_with(&ch, "fill", sent, 2000, incompressible).await;
     sent += 2000;
     assert_eq!(c.leader(WAIT).await, leader, "the leader changed");
 
