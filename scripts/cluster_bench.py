@@ -112,6 +112,23 @@ def rabbitmqctl(node, *args, timeout=120):
                           text=True, timeout=timeout)
 
 
+def own_by_rabbitmq(dirpath, base):
+    """Debian's rabbitmq-server runs as the rabbitmq user when started by root: its folders
+    must be that user's (and the temporary folder above them open to it)."""
+    import pwd
+    try:
+        user = pwd.getpwnam("rabbitmq")
+    except KeyError:
+        return
+    if os.geteuid() != 0:
+        return
+    os.chmod(dirpath, 0o755)
+    for root, dirs, files in os.walk(base):
+        os.chown(root, user.pw_uid, user.pw_gid)
+        for f in files:
+            os.chown(os.path.join(root, f), user.pw_uid, user.pw_gid)
+
+
 def start_rabbitmq(dirpath):
     """Three RabbitMQ nodes on this machine, clustered. Returns the first node's AMQP port (the
     quorum queue is declared through it, so it leads the queue)."""
@@ -125,7 +142,9 @@ def start_rabbitmq(dirpath):
         name = "warrenbench%d@%s" % (i + 1, host)
         amqp, dist = free_port(), free_port()
         base = os.path.join(dirpath, "rabbit%d" % (i + 1))
-        os.makedirs(base, exist_ok=True)
+        for sub in ("mnesia", "log"):
+            os.makedirs(os.path.join(base, sub), exist_ok=True)
+        own_by_rabbitmq(dirpath, base)
         env = dict(os.environ, RABBITMQ_NODENAME=name, RABBITMQ_NODE_PORT=str(amqp),
                    RABBITMQ_NODE_IP_ADDRESS="127.0.0.1", RABBITMQ_DIST_PORT=str(dist),
                    RABBITMQ_MNESIA_BASE=os.path.join(base, "mnesia"),
@@ -138,10 +157,17 @@ def start_rabbitmq(dirpath):
         RABBIT_NODES.append(name)
         names.append(name)
         amqps.append(amqp)
+    deadline = time.time() + 180
     for name in names:
-        r = rabbitmqctl(name, "await_startup", "--timeout", "120", timeout=150)
-        if r.returncode != 0:
-            raise RuntimeError("RabbitMQ node %s did not start: %s" % (name, r.stderr[-1000:]))
+        # await_startup fails at once while the node is not yet known to epmd: try again.
+        while True:
+            r = rabbitmqctl(name, "await_startup", "--timeout", "60", timeout=90)
+            if r.returncode == 0:
+                break
+            if time.time() > deadline:
+                raise RuntimeError("RabbitMQ node %s did not start: %s"
+                                   % (name, r.stderr[-1000:]))
+            time.sleep(1)
     for name in names[1:]:
         for args in (["stop_app"], ["join_cluster", names[0]], ["start_app"]):
             r = rabbitmqctl(name, *args)
