@@ -82,18 +82,7 @@ async fn every_property_and_header_type_round_trips() {
     )
     .await
     .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            q.clone(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume_no_ack(&ch, q.as_str(), "").await;
     let d = next_delivery(&mut consumer).await;
     assert_eq!(d.properties, props);
     assert_eq!(d.data, b"payload");
@@ -126,18 +115,7 @@ async fn large_and_empty_bodies() {
     )
     .await
     .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            q.clone(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume_no_ack(&ch, q.as_str(), "").await;
     assert_eq!(next_delivery(&mut consumer).await.data, big);
     assert!(next_delivery(&mut consumer).await.data.is_empty());
 }
@@ -294,18 +272,7 @@ async fn cancel_stops_deliveries() {
     let conn = server.connect().await;
     let ch = conn.create_channel().await.unwrap();
     let q = queue(&ch).await;
-    let mut consumer = ch
-        .basic_consume(
-            q.clone(),
-            "c".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume_no_ack(&ch, q.as_str(), "c").await;
     publish_n(&ch, &q, 1).await;
     next_delivery(&mut consumer).await;
     ch.basic_cancel("c".into(), Default::default())

@@ -7,7 +7,7 @@
 use super::cluster::{
     connect, declare, publish_confirmed, publish_confirmed_with, replicated, Cluster, Node,
 };
-use super::common::WAIT;
+use super::common::{consume_no_ack, WAIT};
 use futures::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
@@ -881,18 +881,7 @@ async fn the_leader_delivers_a_message_only_once_it_is_committed() {
 
     let cons_conn = connect(&c.nodes[leader].url()).await;
     let cch = cons_conn.create_channel().await.unwrap();
-    let mut consumer = cch
-        .basic_consume(
-            "gate".into(),
-            "gate".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume_no_ack(&cch, "gate", "gate").await;
     for i in 0..300 {
         publish(format!("m{i}")).await;
     }

@@ -166,6 +166,22 @@ pub async fn next_delivery(consumer: &mut lapin::Consumer) -> lapin::message::De
         .expect("delivery error")
 }
 
+/// A consumer with automatic acknowledgement (`no_ack`) on `queue`, tagged `tag` ("" lets the
+/// broker name it).
+pub async fn consume_no_ack(ch: &lapin::Channel, queue: &str, tag: &str) -> lapin::Consumer {
+    ch.basic_consume(
+        queue.into(),
+        tag.into(),
+        lapin::options::BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        },
+        lapin::types::FieldTable::default(),
+    )
+    .await
+    .expect("basic.consume")
+}
+
 /// Assert that no delivery arrives for a short while.
 pub async fn no_delivery(consumer: &mut lapin::Consumer) {
     if let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await {

@@ -496,18 +496,7 @@ async fn large_bodies_arrive_intact_on_every_path() {
             assert!(confirm.await.unwrap().is_ack());
         }
         // Server frame_max: the deliveries carry the publisher's own slices.
-        let mut consumer = ch
-            .basic_consume(
-                "big-a".into(),
-                "".into(),
-                lapin::options::BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await
-            .unwrap();
+        let mut consumer = consume_no_ack(&ch, "big-a", "").await;
         for _ in 0..3 {
             assert!(next_delivery(&mut consumer).await.data == body);
         }

@@ -518,18 +518,7 @@ async fn a_durable_declare_ok_never_leaves_before_its_fsync_while_deliveries_str
         .queue_declare("stream".into(), Default::default(), FieldTable::default())
         .await
         .unwrap();
-    let mut consumer = streamed
-        .basic_consume(
-            "stream".into(),
-            "s".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume_no_ack(&streamed, "stream", "s").await;
     let stop = Arc::new(AtomicBool::new(false));
     let drained = tokio::spawn(async move {
         let mut n = 0u64;

@@ -541,18 +541,7 @@ async fn direct_reply_to_round_trip() {
     let requester = conn.create_channel().await.unwrap();
     let responder = conn.create_channel().await.unwrap();
     let service = declare(&responder, &unique("rpc"), FieldTable::default()).await;
-    let mut replies = requester
-        .basic_consume(
-            "amq.rabbitmq.reply-to".into(),
-            "".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut replies = consume_no_ack(&requester, "amq.rabbitmq.reply-to", "").await;
     publish(
         &requester,
         service.as_str(),
