@@ -82,22 +82,40 @@ fn cancel_acked(ops: &mut Vec<Op>) -> u64 {
     let mut n = 0;
     for i in 0..ops.len() {
         let (head, tail) = ops.split_at_mut(i);
-        let Op::Remove { vhost, queue, keys } = &mut tail[0] else {
+        let Op::Remove {
+            vhost,
+            queue,
+            keys,
+            sizes,
+        } = &mut tail[0]
+        else {
             continue;
         };
-        keys.retain(|k| {
-            let Some(&j) = stored.get(k).filter(|&&j| j < i) else {
-                return true;
-            };
-            let same = matches!(&head[j], Op::Enqueue { vhost: v, queues, .. }
-                if v == vhost && queues[0].0 == *queue);
-            if same && !cancel[j] {
-                cancel[j] = true;
-                n += 1;
-                return false;
-            }
-            true
-        });
+        let keep: Vec<bool> = keys
+            .iter()
+            .map(|k| {
+                let Some(&j) = stored.get(k).filter(|&&j| j < i) else {
+                    return true;
+                };
+                let same = matches!(&head[j], Op::Enqueue { vhost: v, queues, .. }
+                    if v == vhost && queues[0].0 == *queue);
+                if same && !cancel[j] {
+                    cancel[j] = true;
+                    n += 1;
+                    return false;
+                }
+                true
+            })
+            .collect();
+        // The sizes (one per key, if any) go with their keys.
+        if sizes.len() == keys.len() {
+            let mut k = keep.iter();
+            sizes.retain(|_| k.next().copied().unwrap_or(true));
+        } else {
+            sizes.clear();
+        }
+        let mut k = keep.iter();
+        keys.retain(|_| k.next().copied().unwrap_or(true));
         if keys.is_empty() {
             cancel[i] = true;
         }
@@ -404,6 +422,7 @@ mod tests {
             vhost: "/".into(),
             queue: queue.into(),
             keys: keys.to_vec(),
+            sizes: Vec::new(),
         }
     }
 

@@ -136,27 +136,15 @@ impl Broker {
             }
             Op::DeleteExchange { vhost, name } => {
                 let v = self.vhost_mut(vhost)?;
-                v.exchanges.remove(name);
+                let replicated = v
+                    .exchanges
+                    .remove(name)
+                    .is_some_and(|x| x.durable && !name.is_empty());
                 // Bindings that pointed at it go too; an auto-delete exchange left without
                 // bindings goes with them, and so on up the chain (as RabbitMQ).
                 let dest = Dest::Exchange(name.clone());
-                let mut emptied: Vec<String> = Vec::new();
-                for x in v.exchanges.values_mut() {
-                    if x.unbind_dest(&dest) > 0 && x.auto_delete && x.bindings.is_empty() {
-                        emptied.push(x.name.clone());
-                    }
-                }
-                // In name order, whatever the map's: the same on every broker.
-                emptied.sort_unstable();
-                for name in emptied {
-                    self.exec(
-                        &Op::DeleteExchange {
-                            vhost: vhost.clone(),
-                            name,
-                        },
-                        fx,
-                    )?;
-                }
+                let emptied = self.unbind_everywhere(vhost, &dest, replicated);
+                self.auto_delete(vhost, emptied, fx)?;
             }
             Op::DeclareQueue {
                 vhost,
@@ -228,21 +216,15 @@ impl Broker {
             } => {
                 let dest = self.resolve_dest(vhost, destination)?;
                 let arguments = decode_table(arguments)?;
+                let replicated = self.replicated_dest(vhost, &dest);
                 let v = self.vhost_mut(vhost)?;
-                let mut auto_delete = false;
-                if let Some(x) = v.exchanges.get_mut(source) {
-                    if x.unbind(&dest, routing_key, &arguments) {
-                        auto_delete = x.auto_delete && x.bindings.is_empty();
-                    }
-                }
-                if auto_delete {
-                    self.exec(
-                        &Op::DeleteExchange {
-                            vhost: vhost.clone(),
-                            name: source.clone(),
-                        },
-                        fx,
-                    )?;
+                let removed = v
+                    .exchanges
+                    .get_mut(source)
+                    .is_some_and(|x| x.unbind(&dest, routing_key, &arguments));
+                if removed {
+                    let emptied = self.emptied(vhost, vec![source.clone()], replicated);
+                    self.auto_delete(vhost, emptied, fx)?;
                 }
             }
             Op::Enqueue {
@@ -272,12 +254,17 @@ impl Broker {
                 // drop-head trimming, dead-lettering) comes as ops of its own.
                 self.enqueue(&ids, *id, *timestamp_ms, msg, false, fx);
             }
-            Op::Remove { vhost, queue, keys } => {
+            Op::Remove {
+                vhost,
+                queue,
+                keys,
+                sizes,
+            } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
                     if let Some(q) = self.replicated.queues.get_mut(&qid) {
                         // On the broker that decided it the messages had left the ready list
                         // already (delivered, dropped); elsewhere they leave it here.
-                        q.remove_keys(keys);
+                        q.remove_keys(keys, sizes);
                     }
                 }
                 self.log.write(op.clone());
@@ -342,6 +329,7 @@ impl Broker {
                     vhost: vhost.clone(),
                     queue: queue.clone(),
                     keys,
+                    sizes: Vec::new(),
                 });
             }
             for (from, to) in ranges {
@@ -381,15 +369,10 @@ impl Broker {
         let Some(q) = self.replicated.queues.remove(&id) else {
             return;
         };
-        let mut emptied: Vec<String> = Vec::new();
         if let Some(v) = self.replicated.vhosts.get_mut(&*q.vhost) {
             v.queues.remove(&*q.name);
-            for x in v.exchanges.values_mut() {
-                if x.unbind_dest(&Dest::Queue(id)) > 0 && x.auto_delete && x.bindings.is_empty() {
-                    emptied.push(x.name.clone());
-                }
-            }
         }
+        let emptied = self.unbind_everywhere(&q.vhost, &Dest::Queue(id), q.is_stored());
         self.local.expirable.remove(&id);
         for key in q.consumers.into_iter().map(|c| c.key) {
             if let Some(ch) = self
@@ -408,16 +391,104 @@ impl Broker {
                 }
             }
         }
-        // A cascade: derived wherever the deletion is applied, in name order.
-        emptied.sort_unstable();
-        for name in emptied {
-            let _ = self.exec(
-                &Op::DeleteExchange {
-                    vhost: q.vhost.to_string(),
-                    name,
-                },
-                fx,
-            );
+        let _ = self.auto_delete(&q.vhost, emptied, fx);
+    }
+
+    // ---------------------------------------------------------------- auto-delete cascades
+    //
+    // An auto-delete exchange goes when it loses its last binding (RabbitMQ). In a cluster
+    // only the bindings between durable things are replicated, so a replica knows fewer
+    // bindings than the leader: deciding "last binding" on all of them would let the two
+    // disagree (an exchange bound to a durable and a transient queue, unbound from the durable
+    // one, stays on the leader and goes on the replicas; one bound to a transient queue alone,
+    // deleted with it, goes on the leader alone). So a replicated binding's removal (which
+    // every replica makes too) decides on the replicated bindings left, and the replicas
+    // derive the same; the removal of a local binding decides on all that are left, and when
+    // that deletes a durable exchange, the deletion is recorded as a root of its own (the
+    // replicas saw nothing to derive it from). See the README's deviations.
+
+    /// Whether a binding to `dest` is replicated (given a durable source).
+    fn replicated_dest(&self, vhost: &str, dest: &Dest) -> bool {
+        match dest {
+            Dest::Queue(id) => self
+                .replicated
+                .queues
+                .get(id)
+                .is_some_and(|q| q.is_stored()),
+            Dest::Exchange(name) => self
+                .replicated
+                .vhosts
+                .get(vhost)
+                .and_then(|v| v.exchanges.get(name))
+                .is_some_and(|x| x.durable && !name.is_empty()),
         }
+    }
+
+    /// Remove every binding of `vhost` to `dest` (going away; `replicated`: whether it is
+    /// replicated) and return the auto-delete exchanges this empties (see `emptied`).
+    fn unbind_everywhere(
+        &mut self,
+        vhost: &str,
+        dest: &Dest,
+        replicated: bool,
+    ) -> Vec<(String, bool)> {
+        let Some(v) = self.replicated.vhosts.get_mut(vhost) else {
+            return Vec::new();
+        };
+        let mut lost: Vec<String> = Vec::new();
+        for x in v.exchanges.values_mut() {
+            if x.unbind_dest(dest) > 0 && x.auto_delete {
+                lost.push(x.name.clone());
+            }
+        }
+        self.emptied(vhost, lost, replicated)
+    }
+
+    /// Of the auto-delete exchanges `lost` of `vhost`, which just lost bindings (replicated
+    /// ones if `replicated` and the exchange is durable), those that go now, in name order
+    /// (whatever the map's: the same on every broker), each with whether its deletion is
+    /// recorded as a root op.
+    fn emptied(&self, vhost: &str, mut lost: Vec<String>, replicated: bool) -> Vec<(String, bool)> {
+        lost.sort_unstable();
+        let Some(v) = self.replicated.vhosts.get(vhost) else {
+            return Vec::new();
+        };
+        lost.into_iter()
+            .filter_map(|name| {
+                let x = v.exchanges.get(&name)?;
+                if !x.auto_delete {
+                    return None;
+                }
+                let goes = if x.durable && replicated {
+                    // Every replica lost it too, and decides on the bindings it has.
+                    !x.bindings
+                        .iter()
+                        .any(|b| self.replicated_dest(vhost, &b.dest))
+                } else {
+                    x.bindings.is_empty()
+                };
+                goes.then(|| (name, x.durable && !replicated))
+            })
+            .collect()
+    }
+
+    /// Delete the exchanges `emptied` found: derived, or recorded as a root op.
+    fn auto_delete(
+        &mut self,
+        vhost: &str,
+        emptied: Vec<(String, bool)>,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(), AmqpError> {
+        for (name, record) in emptied {
+            let op = Op::DeleteExchange {
+                vhost: vhost.to_owned(),
+                name,
+            };
+            match record {
+                true => self.apply(&op, fx)?,
+                false => self.exec(&op, fx)?,
+            }
+        }
+        Ok(())
     }
 }

@@ -572,7 +572,7 @@ impl Broker {
         if !pager.read_failed.swap(false, Ordering::Relaxed) {
             return;
         }
-        let failed: Vec<QueueId> = self
+        let mut failed: Vec<QueueId> = self
             .replicated
             .queues
             .iter_mut()
@@ -582,6 +582,9 @@ impl Broker {
                 *id
             })
             .collect();
+        // In id order, whatever the map's: the dispatch order is the order of the ops (no-ack
+        // removals) it records.
+        failed.sort_unstable();
         for id in failed {
             self.dispatch(id, fx);
         }
@@ -742,6 +745,9 @@ impl Broker {
                 }
             }
         }
+        // In connection, channel, tag order, whatever the maps': the requeues and dispatches
+        // that follow record ops in this order.
+        stuck.sort_unstable();
         for (conn, ch, tag) in &stuck {
             tracing::warn!(conn, ch, tag = %tag, timeout_ms, "consumer ack timeout: cancelling");
             let mut requeue: Vec<(QueueId, QueuedMessage)> = Vec::new();
@@ -911,10 +917,13 @@ impl Broker {
     /// The connection went away: close its channels (requeueing what they held) and delete its
     /// exclusive queues.
     pub fn connection_close(&mut self, conn: ConnId, fx: &mut Vec<Effect>) {
-        let channels: Vec<u16> = match self.local.conns.get(&conn) {
+        let mut channels: Vec<u16> = match self.local.conns.get(&conn) {
             Some(c) => c.channels.keys().copied().collect(),
             None => return,
         };
+        // In channel order, whatever the map's: each close requeues and dispatches, which
+        // records ops (and may hand a requeued message to a channel closed next).
+        channels.sort_unstable();
         for ch in channels {
             self.channel_close(conn, ch, fx);
         }
@@ -2518,6 +2527,7 @@ impl Broker {
                 arguments: q.arguments.clone(),
                 quorum: q.quorum,
                 messages_ready: q.message_count() as u64,
+                message_bytes_ready: q.ready_bytes(),
                 messages_unacknowledged: q.unacked as u64,
                 consumers: q.consumers.len(),
             })
@@ -2622,6 +2632,8 @@ pub struct QueueView {
     pub arguments: FieldTable,
     pub quorum: bool,
     pub messages_ready: u64,
+    /// Body bytes of the ready messages (RabbitMQ's `message_bytes_ready`).
+    pub message_bytes_ready: u64,
     pub messages_unacknowledged: u64,
     pub consumers: usize,
 }

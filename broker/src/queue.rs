@@ -1003,41 +1003,63 @@ impl Queue {
     /// Take out the ready messages with these store keys (`Op::Remove` applied where it was
     /// not decided: on the broker that decided it they had left the ready list already, and
     /// nothing is found). Wherever they are: in memory, paged out after a requeue, staged, or
-    /// on disk (read by key to learn their sizes).
-    pub fn remove_keys(&mut self, keys: &[u64]) {
-        let mut sorted = keys.to_vec();
-        sorted.sort_unstable();
+    /// on disk. `sizes` are their body sizes, one per key, or empty if the remover did not
+    /// know them: those on disk are then read by key to learn them.
+    pub fn remove_keys(&mut self, keys: &[u64], sizes: &[u64]) {
+        let mut sorted: Vec<(u64, Option<u64>)> = match sizes.len() == keys.len() {
+            true => keys
+                .iter()
+                .zip(sizes)
+                .map(|(k, s)| (*k, Some(*s)))
+                .collect(),
+            false => keys.iter().map(|k| (*k, None)).collect(),
+        };
+        sorted.sort_unstable_by_key(|(k, _)| *k);
         for level in 0..self.levels.len() {
             let lo = message_key(level as u8, 0);
             let hi = message_key(level as u8, (1 << warren_storage::ID_BITS) - 1);
-            let ids: Vec<u64> = sorted
+            let in_level: Vec<(u64, Option<u64>)> = sorted
                 .iter()
-                .filter(|k| (lo..=hi).contains(*k))
-                .map(|k| warren_storage::key_id(*k))
+                .filter(|(k, _)| (lo..=hi).contains(k))
+                .map(|(k, s)| (warren_storage::key_id(*k), *s))
                 .collect();
-            if ids.is_empty() {
+            if in_level.is_empty() {
                 continue;
             }
+            let ids: Vec<u64> = in_level.iter().map(|(id, _)| *id).collect();
             let l = &self.levels[level];
-            let on_disk: Vec<u64> = if l.disk_count > 0 {
-                ids.iter()
-                    .filter(|id| (l.disk_first..=l.disk_last).contains(*id))
-                    .map(|id| message_key(level as u8, *id))
+            let on_disk: Vec<(u64, Option<u64>)> = if l.disk_count > 0 {
+                in_level
+                    .iter()
+                    .filter(|(id, _)| (l.disk_first..=l.disk_last).contains(id))
+                    .copied()
                     .collect()
             } else {
                 Vec::new()
             };
             self.remove_in_level(level, |id| ids.binary_search(&id).is_ok());
-            if !on_disk.is_empty() {
-                self.forget_on_disk(level, |pager, q| {
-                    pager.store.read_keys(&q.vhost, &q.name, &on_disk).map(|v| {
-                        v.into_iter()
-                            .flatten()
-                            .map(|m| m.body.len() as u64)
-                            .collect()
-                    })
-                });
+            if on_disk.is_empty() {
+                continue;
             }
+            let known: Vec<u64> = on_disk.iter().filter_map(|(_, s)| *s).collect();
+            if known.len() == on_disk.len() {
+                // Sizes from the op: nothing to read (each id of the disk range not in memory
+                // is on disk: a message is removed once).
+                self.forget_on_disk(level, |_, _| Ok(known));
+                continue;
+            }
+            let on_disk: Vec<u64> = on_disk
+                .iter()
+                .map(|(id, _)| message_key(level as u8, *id))
+                .collect();
+            self.forget_on_disk(level, |pager, q| {
+                pager.store.read_keys(&q.vhost, &q.name, &on_disk).map(|v| {
+                    v.into_iter()
+                        .flatten()
+                        .map(|m| m.body.len() as u64)
+                        .collect()
+                })
+            });
         }
     }
 

@@ -833,7 +833,9 @@ impl View<'_> {
                         self.refs().insert(*id, queues.len() as u32);
                     }
                 }
-                Op::Remove { vhost, queue, keys } => {
+                Op::Remove {
+                    vhost, queue, keys, ..
+                } => {
                     let batch = b.logged(self)?;
                     let mut refs = self.refs();
                     for k in keys {

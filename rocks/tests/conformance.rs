@@ -76,6 +76,7 @@ fn space_comes_back_after_a_drained_backlog() {
             vhost: "/".into(),
             queue: "a".into(),
             keys,
+            sizes: Vec::new(),
         }],
         true,
     )

@@ -25,6 +25,7 @@ fn queue_json(node: &str, q: &QueueView) -> Value {
         "state": "running",
         "messages": q.messages_ready + q.messages_unacknowledged,
         "messages_ready": q.messages_ready,
+        "message_bytes_ready": q.message_bytes_ready,
         "messages_unacknowledged": q.messages_unacknowledged,
         "consumers": q.consumers,
     })

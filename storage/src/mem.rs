@@ -143,7 +143,9 @@ impl MemStore {
                         }
                     }
                 }
-                Op::Remove { vhost, queue, keys } => {
+                Op::Remove {
+                    vhost, queue, keys, ..
+                } => {
                     if let Some(m) = s.messages.get_mut(&key(vhost, queue)) {
                         for k in keys {
                             m.remove(k);

@@ -88,6 +88,12 @@ pub enum Op {
         vhost: Name,
         queue: Name,
         keys: Vec<u64>,
+        /// The body size of each message of `keys`, in the same order, or empty where the
+        /// remover did not know them (a purge with deliveries outstanding; ops of tag 8).
+        /// A replica that paged the messages out to its store learns their sizes (for its
+        /// byte counts) from here rather than reading each one back: acks stream past a
+        /// follower's window of ready messages, since its queues have no consumers.
+        sizes: Vec<u64>,
     },
     /// Every message of a queue goes.
     Purge {

@@ -35,11 +35,12 @@
 //! | 5   | `Bind`            | vhost, source, destination, routing_key, arguments                  |
 //! | 6   | `Unbind`          | vhost, source, destination, routing_key, arguments                  |
 //! | 7   | `Enqueue`         | vhost, queues (count + (name, level u8) each), id, timestamp_ms, exchange, routing_key, properties, body |
-//! | 8   | `Remove`          | vhost, queue, keys (count + u64 each)                               |
+//! | 8   | `Remove`          | vhost, queue, keys (count + u64 each); `sizes` empty                |
 //! | 9   | `Purge`           | vhost, queue                                                        |
 //! | 10  | `Spill`           | vhost, queue, key, timestamp_ms, exchange, routing_key, properties, body |
 //! | 11  | `RemoveRange`     | vhost, queue, from, to                                              |
 //! | 12  | `PutUser`         | name, password_hash, tags (count + string each)                     |
+//! | 13  | `Remove` with sizes | vhost, queue, count, then (key u64, size u64) each                |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -73,13 +74,15 @@ pub const TAG_PURGE: u8 = 9;
 pub const TAG_SPILL: u8 = 10;
 pub const TAG_REMOVE_RANGE: u8 = 11;
 pub const TAG_PUT_USER: u8 = 12;
+/// `Remove` whose `sizes` are known (one per key); tag 8 is one whose `sizes` are not.
+pub const TAG_REMOVE_SIZED: u8 = 13;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 12] = [
+const ALL_TAGS: [u8; 13] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -92,6 +95,7 @@ const ALL_TAGS: [u8; 12] = [
     TAG_SPILL,
     TAG_REMOVE_RANGE,
     TAG_PUT_USER,
+    TAG_REMOVE_SIZED,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -123,12 +127,18 @@ pub fn tag(op: &Op) -> u8 {
         Op::Bind { .. } => TAG_BIND,
         Op::Unbind { .. } => TAG_UNBIND,
         Op::Enqueue { .. } => TAG_ENQUEUE,
+        Op::Remove { keys, sizes, .. } if sized(keys, sizes) => TAG_REMOVE_SIZED,
         Op::Remove { .. } => TAG_REMOVE,
         Op::Purge { .. } => TAG_PURGE,
         Op::Spill { .. } => TAG_SPILL,
         Op::RemoveRange { .. } => TAG_REMOVE_RANGE,
         Op::PutUser { .. } => TAG_PUT_USER,
     }
+}
+
+/// Whether a `Remove` carries a size for each key (tag 13), else none (tag 8).
+fn sized(keys: &[u64], sizes: &[u64]) -> bool {
+    !keys.is_empty() && sizes.len() == keys.len()
 }
 
 // Encoding.
@@ -276,13 +286,26 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             b.put_u64(*id);
             put_message(b, *timestamp_ms, exchange, routing_key, properties, body)?;
         }
-        Op::Remove { vhost, queue, keys } => {
+        Op::Remove {
+            vhost,
+            queue,
+            keys,
+            sizes,
+        } => {
             put_bytes(b, vhost.as_bytes())?;
             put_bytes(b, queue.as_bytes())?;
             put_len(b, keys.len())?;
-            b.reserve(8 * keys.len());
-            for k in keys {
-                b.put_u64(*k);
+            if sized(keys, sizes) {
+                b.reserve(16 * keys.len());
+                for (k, size) in keys.iter().zip(sizes) {
+                    b.put_u64(*k);
+                    b.put_u64(*size);
+                }
+            } else {
+                b.reserve(8 * keys.len());
+                for k in keys {
+                    b.put_u64(*k);
+                }
             }
         }
         Op::Purge { vhost, queue } => {
@@ -489,7 +512,29 @@ pub fn decode_op(b: &mut Bytes) -> Result<Op, DecodeError> {
             for _ in 0..n {
                 keys.push(get_u64(b, "truncated key")?);
             }
-            Op::Remove { vhost, queue, keys }
+            Op::Remove {
+                vhost,
+                queue,
+                keys,
+                sizes: Vec::new(),
+            }
+        }
+        TAG_REMOVE_SIZED => {
+            let vhost = get_name(b)?;
+            let queue = get_name(b)?;
+            let n = get_count(b, 16)?;
+            let mut keys = Vec::with_capacity(n);
+            let mut sizes = Vec::with_capacity(n);
+            for _ in 0..n {
+                keys.push(get_u64(b, "truncated key")?);
+                sizes.push(get_u64(b, "truncated size")?);
+            }
+            Op::Remove {
+                vhost,
+                queue,
+                keys,
+                sizes,
+            }
         }
         TAG_PURGE => Op::Purge {
             vhost: get_name(b)?,
@@ -713,8 +758,23 @@ mod tests {
                 vhost: "/".into(),
                 queue: "q".into(),
                 keys: vec![1, 0x0900000000000002],
+                sizes: vec![],
             },
             "08 | 00000001 2f | 00000001 71 | 00000002 0000000000000001 0900000000000002",
+        );
+    }
+
+    #[test]
+    fn golden_remove_sized() {
+        golden(
+            Op::Remove {
+                vhost: "/".into(),
+                queue: "q".into(),
+                keys: vec![1, 0x0900000000000002],
+                sizes: vec![0x0400, 7],
+            },
+            "0d | 00000001 2f | 00000001 71 | 00000002 0000000000000001 0000000000000400
+             0900000000000002 0000000000000007",
         );
     }
 
@@ -835,6 +895,7 @@ mod tests {
                 vhost: "/".into(),
                 queue: "q".into(),
                 keys: vec![],
+                sizes: vec![],
             },
             Op::Purge {
                 vhost: "/".into(),
@@ -861,6 +922,12 @@ mod tests {
                 password_hash: "".into(),
                 tags: vec![],
             },
+            Op::Remove {
+                vhost: "/".into(),
+                queue: "q".into(),
+                keys: vec![crate::message_key(3, 42)],
+                sizes: vec![300],
+            },
         ]
     }
 
@@ -869,7 +936,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=12).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=13).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -912,7 +979,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 13, 255] {
+        for t in [0u8, 14, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1134,8 +1201,17 @@ mod tests {
                             }
                         }
                     ),
-                (name(), name(), vec(any::<u64>(), 0..10))
-                    .prop_map(|(vhost, queue, keys)| Op::Remove { vhost, queue, keys }),
+                (name(), name(), vec(any::<u64>(), 0..10), any::<bool>()).prop_map(
+                    |(vhost, queue, keys, sized)| Op::Remove {
+                        vhost,
+                        queue,
+                        sizes: match sized {
+                            true => keys.iter().map(|k| k >> 40).collect(),
+                            false => Vec::new(),
+                        },
+                        keys,
+                    }
+                ),
                 (name(), name()).prop_map(|(vhost, queue)| Op::Purge { vhost, queue }),
                 (
                     name(),

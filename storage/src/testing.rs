@@ -75,6 +75,7 @@ fn remove(queue: &str, keys: &[u64]) -> Op {
         vhost: "/".into(),
         queue: queue.into(),
         keys: keys.to_vec(),
+        sizes: Vec::new(),
     }
 }
 

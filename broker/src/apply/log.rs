@@ -70,29 +70,39 @@ impl Log {
     /// queue (one op per queue for a run of acks).
     pub(super) fn removed(&mut self, q: &Queue, qm: &QueuedMessage) {
         let key = q.store_key(qm);
-        if self.enabled && !merge_removal(self.writes.last_mut(), q, key) {
-            self.writes.push(removal(q, key));
+        let size = qm.msg.body.len() as u64;
+        if self.enabled && !merge_removal(self.writes.last_mut(), q, key, size) {
+            self.writes.push(removal(q, key, size));
         }
         if let Some(ops) = &mut self.ops {
-            if !merge_removal(ops.last_mut(), q, key) {
-                ops.push(removal(q, key));
+            if !merge_removal(ops.last_mut(), q, key, size) {
+                ops.push(removal(q, key, size));
             }
         }
     }
 }
 
-fn removal(q: &Queue, key: u64) -> Op {
+fn removal(q: &Queue, key: u64, size: u64) -> Op {
     Op::Remove {
         vhost: q.vhost.clone(),
         queue: q.name.clone(),
         keys: vec![key],
+        sizes: vec![size],
     }
 }
 
-fn merge_removal(last: Option<&mut Op>, q: &Queue, key: u64) -> bool {
-    if let Some(Op::Remove { vhost, queue, keys }) = last {
-        if *vhost == q.vhost && *queue == q.name {
+fn merge_removal(last: Option<&mut Op>, q: &Queue, key: u64, size: u64) -> bool {
+    if let Some(Op::Remove {
+        vhost,
+        queue,
+        keys,
+        sizes,
+    }) = last
+    {
+        // Sizes only while every key has one (a purge's removal has none).
+        if *vhost == q.vhost && *queue == q.name && sizes.len() == keys.len() {
             keys.push(key);
+            sizes.push(size);
             return true;
         }
     }
