@@ -1,6 +1,9 @@
 //! A follower hands AMQP clients to the leader: bytes are copied both ways between the client
 //! and the leader's AMQP port, so any client library works unchanged. When the leader changes,
-//! the copy ends (the old leader closes its connections) and the client reconnects.
+//! the copy ends and the client reconnects: the old leader closes its connections when it
+//! learns it was deposed, and this node cuts the copy as soon as it learns of another leader
+//! (or of an election), since a leader that is frozen or cut off from the majority learns
+//! nothing until it comes back, and its clients would wait on it until then.
 
 use super::Replication;
 use crate::node::Shared;
@@ -52,6 +55,30 @@ pub async fn serve(
         r = tokio::io::copy_bidirectional(&mut client, &mut upstream) => {
             debug!(result = ?r, "proxied connection ended");
         }
+        _ = leader_changed(&rep, id) => {
+            info!(leader = id, "the leader changed: a proxied client is disconnected to reconnect");
+        }
         _ = stop.changed() => {}
+    }
+}
+
+/// Resolves once this node's Raft no longer names `id` as the leader (another leader, or an
+/// election under way); never if Raft is not running. (The server metrics change only with
+/// the vote, role, leader or membership, not with every entry as the full metrics do: a task
+/// per proxied client wakes only for those.)
+async fn leader_changed(rep: &Replication, id: u64) {
+    let Some(raft) = rep.raft.get() else {
+        return std::future::pending().await;
+    };
+    let mut metrics = raft.server_metrics();
+    loop {
+        if metrics.borrow_and_update().current_leader != Some(id) {
+            return;
+        }
+        if metrics.changed().await.is_err() {
+            // Raft stopped (the node is shutting down or was removed): the stop signal or the
+            // copy ends the connection.
+            return std::future::pending().await;
+        }
     }
 }

@@ -348,6 +348,10 @@ async fn freeze_round(
     .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     let before = deliveries.lock().len();
+    // A client that a follower proxies to the leader (issue 15 point 4: on a leader change,
+    // connections are closed and clients reconnect).
+    let proxied = connect(&c.nodes[(old + 1) % c.nodes.len()].url()).await;
+    let _proxied_ch = proxied.create_channel().await.unwrap();
     // Confirms in flight when it freezes.
     let stream = match hold {
         true => Some(Stream::start(&c.nodes[old].url(), round).await),
@@ -425,6 +429,14 @@ async fn freeze_round(
          after SIGSTOP of node {old_id}"
     );
     assert!(failover < Duration::from_secs(3), "{failover:?}");
+    // The frozen leader cannot close the proxied client: its follower does, once it knows of
+    // the new leader, so the client reconnects now rather than when the old one wakes up.
+    wait_for(
+        Duration::from_secs(3).saturating_sub(stopped.elapsed()) + Duration::from_millis(500),
+        "a client proxied to the frozen leader is still connected after the failover",
+        || !proxied.status().connected(),
+    )
+    .await;
 
     // Nothing came while it was frozen.
     assert!(outcomes.lock().is_empty(), "{:?}", outcomes.lock());
