@@ -1703,9 +1703,20 @@ def many_runs(a):
                c.get("duplicate_ids"), "" if rc == 0 else "  -> " + lg))
     agg = aggregate(results)
     print()
-    print("%d runs (seeds %d..%d, --duration %s): %d passed, %d failed, %d incomplete"
-          % (len(results), seed0, seed0 + a.runs - 1, a.duration, agg["passed"], agg["failed"],
-             agg["incomplete"]))
+    print("%d runs (seeds %d..%d, --duration %s): " % (len(results), seed0, seed0 + a.runs - 1,
+                                                       a.duration), end="")
+    print_aggregate(agg)
+    print("outputs: %s" % rdir)
+    if a.out_json:
+        with open(a.out_json, "w") as f:
+            json.dump({"aggregate": agg, "runs": [r["summary"] for r in results]}, f,
+                      indent=1, default=str)
+    return 0 if agg["passed"] == len(results) else 1
+
+
+def print_aggregate(agg):
+    print("%d passed, %d failed, %d incomplete" % (agg["passed"], agg["failed"],
+                                                   agg["incomplete"]))
     print("faults %d; confirmed ids %d; lost %d; lost copies %d; delivered-never-acked %d; "
           "unexpected %d; violations %d; duplicate ids %d (%d extra deliveries); crashes %d; "
           "spurious elections %d; runs whose replicas diverged %d; resurrected %d"
@@ -1714,21 +1725,46 @@ def many_runs(a):
              agg["duplicate_deliveries"], agg["crashes"], agg["spurious_elections"],
              agg["replicas_diverge"], agg["resurrected"]))
     print()
-    print("| fault | count | failover median | p90 | max | max gap median | max | "
-          "recovered median | max |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("Milliseconds from the fault to: a node serving in a later term (serving), the first "
+          "confirm on any connection (first confirm), the first confirm on a publisher "
+          "connection opened after the fault (failover: what a client that had to reconnect "
+          "sees, its own timeouts included); median / p90 / max.")
+    print()
+    print("| fault | count | serving | first confirm | failover | max gap median / max | "
+          "recovered median / max |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+
+    def three(v, k):
+        if v[k + "_median"] is None:
+            return "-"
+        return "%s / %s / %s" % (v[k + "_median"], v[k + "_p90"], v[k + "_max"])
     for k, v in agg["by_kind"].items():
-        print("| %s | %d | %s | %s | %s | %s | %s | %s | %s |" % (
-            k, v["count"], v["failover_median"], v["failover_p90"], v["failover_max"],
-            v["gap_median"], v["gap_max"], v["recovered_median"], v["recovered_max"]))
+        print("| %s | %d | %s | %s | %s | %s / %s | %s / %s |" % (
+            k, v["count"], three(v, "serving"), three(v, "first_confirm"),
+            three(v, "failover"), v["gap_median"], v["gap_max"], v["recovered_median"],
+            v["recovered_max"]))
     if agg["bad_seeds"]:
         print("\nnot passed: %s" % agg["bad_seeds"])
-    print("outputs: %s" % rdir)
-    if a.out_json:
-        with open(a.out_json, "w") as f:
-            json.dump({"aggregate": agg, "runs": [r["summary"] for r in results]}, f,
-                      indent=1, default=str)
-    return 0 if agg["passed"] == len(results) else 1
+
+
+def aggregate_files(paths):
+    """--aggregate: the aggregate of runs already made (their --out-json files, or folders of
+    seed-*.json as --runs leaves them)."""
+    import glob
+    results = []
+    for p in paths:
+        files = sorted(glob.glob(os.path.join(p, "seed-*.json"))) if os.path.isdir(p) else [p]
+        for fn in files:
+            if fn.endswith(".history.json"):
+                continue
+            with open(fn) as f:
+                res = json.load(f)
+            res["rc"] = res["summary"].get("exit", 1)
+            results.append(res)
+    print("%d runs (seeds %s): " % (len(results), sorted(r["summary"].get("seed")
+                                                          for r in results)), end="")
+    print_aggregate(aggregate(results))
+    return 0
 
 
 def aggregate(results):
@@ -1758,7 +1794,8 @@ def aggregate(results):
                     f["kind"],):
                 d = by[kind]
                 d["count"].append(1)
-                for key in ("failover_ms", "max_gap_ms", "recovered_ms"):
+                for key in ("serving_ms", "first_confirm_ms", "failover_ms", "max_gap_ms",
+                            "recovered_ms"):
                     if f.get(key) is not None:
                         d[key].append(f[key])
     out = dict(agg)
@@ -1767,14 +1804,17 @@ def aggregate(results):
     out["bad_seeds"] = bad
     out["by_kind"] = {}
     for k, d in sorted(by.items()):
-        fo = d["failover_ms"]
-        out["by_kind"][k] = {
-            "count": len(d["count"]), "failover_n": len(fo), "failover_median": ms(fo),
-            "failover_p90": pct(fo, 90) if fo else None, "failover_max": max(fo) if fo else None,
+        out["by_kind"][k] = {"count": len(d["count"])}
+        for key in ("serving", "first_confirm", "failover"):
+            v = d[key + "_ms"]
+            out["by_kind"][k].update({
+                key + "_n": len(v), key + "_median": ms(v),
+                key + "_p90": pct(v, 90) if v else None, key + "_max": max(v) if v else None})
+        out["by_kind"][k].update({
             "gap_median": ms(d["max_gap_ms"]),
             "gap_max": max(d["max_gap_ms"]) if d["max_gap_ms"] else None,
             "recovered_median": ms(d["recovered_ms"]),
-            "recovered_max": max(d["recovered_ms"]) if d["recovered_ms"] else None}
+            "recovered_max": max(d["recovered_ms"]) if d["recovered_ms"] else None})
     return out
 
 
@@ -1818,6 +1858,9 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("--runs", type=int, default=None, help="N seeded runs in sequence")
     ap.add_argument("--runs-dir", help="with --runs: where each run's log and JSON go")
+    ap.add_argument("--aggregate", nargs="+", metavar="PATH",
+                    help="print the aggregate of runs already made (--runs-dir folders or "
+                         "--out-json files), then exit")
     ap.add_argument("--selftest", action="store_true",
                     help="test the Hello decoding and the proxy's faults, then exit")
     a = ap.parse_args()
@@ -1826,6 +1869,8 @@ def main():
     if a.selftest:
         proxy_selftest()
         return 0
+    if a.aggregate:
+        return aggregate_files(a.aggregate)
     if not os.access(a.binary, os.X_OK):
         print("no warren binary at %s: pass --binary (or set WARREN_BINARY)" % a.binary,
               file=sys.stderr)
