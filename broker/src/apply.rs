@@ -467,7 +467,7 @@ impl Broker {
                 } else {
                     x.bindings.is_empty()
                 };
-                goes.then(|| (name, x.durable && !replicated))
+                goes.then_some((name, x.durable && !replicated))
             })
             .collect()
     }
