@@ -1759,10 +1759,14 @@ def aggregate_files(paths):
                 continue
             with open(fn) as f:
                 res = json.load(f)
+            if "summary" not in res:
+                # A --runs aggregate keeps no fault records: its runs' own files are needed.
+                print("%s: not the output of one run (skipped)" % fn, file=sys.stderr)
+                continue
             res["rc"] = res["summary"].get("exit", 1)
             results.append(res)
-    print("%d runs (seeds %s): " % (len(results), sorted(r["summary"].get("seed")
-                                                          for r in results)), end="")
+    print("%d runs (seeds %s): " % (len(results), sorted(
+        (r["summary"].get("seed") for r in results), key=str)), end="")
     print_aggregate(aggregate(results))
     return 0
 
@@ -1859,8 +1863,8 @@ def main():
     ap.add_argument("--runs", type=int, default=None, help="N seeded runs in sequence")
     ap.add_argument("--runs-dir", help="with --runs: where each run's log and JSON go")
     ap.add_argument("--aggregate", nargs="+", metavar="PATH",
-                    help="print the aggregate of runs already made (--runs-dir folders or "
-                         "--out-json files), then exit")
+                    help="print the aggregate of runs already made (--runs-dir folders, or "
+                         "the --out-json files of single runs), then exit")
     ap.add_argument("--selftest", action="store_true",
                     help="test the Hello decoding and the proxy's faults, then exit")
     a = ap.parse_args()

@@ -1183,7 +1183,8 @@ impl Queue {
         match sizes(&pager, self) {
             Ok(sizes) => {
                 let n = sizes.len() as u64;
-                let bytes: u64 = sizes.iter().sum();
+                // Sizes may come from a replicated op: never an overflow.
+                let bytes = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
                 let l = &mut self.levels[level];
                 let n = n.min(l.disk_count);
                 l.disk_count -= n;

@@ -756,6 +756,104 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
     }
 }
 
+/// A leader's durable queue past its window holds persistent messages and transient ones it
+/// spilled to its own store; a replica, past its window too, holds the persistent ones alone.
+/// Every message got (no ack) on the leader: the replica ends empty, its counts right. (The
+/// removal of a spilled transient message was replicated, and taken by the replica from the
+/// messages it had on disk.)
+#[test]
+fn a_replica_takes_only_the_removals_of_replicated_messages() {
+    let pager =
+        |store: Arc<CountedReads>, written: Arc<std::sync::atomic::AtomicU64>| queue::Pager {
+            store,
+            written,
+            hold_max_ms: 0,
+            read_failed: Default::default(),
+            clock: Default::default(),
+        };
+    let store = || {
+        Arc::new(CountedReads {
+            inner: warren_storage::mem::MemStore::new(),
+            reads: Default::default(),
+        })
+    };
+    // The committer's part: the journal written, then released from memory.
+    let commit = |b: &mut Broker, s: &CountedReads, w: &std::sync::atomic::AtomicU64| {
+        let ops = b.take_journal();
+        warren_storage::Store::write(s, &ops, false).unwrap();
+        w.store(b.journal_seq(), Ordering::Release);
+        b.release_written();
+    };
+    let (ls, lw) = (store(), Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    let (rs, rw) = (store(), Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    let (mut leader, c) = setup();
+    leader.enable_journal();
+    leader.record_ops();
+    leader.set_pager(pager(ls.clone(), lw.clone()));
+    let mut replica = Broker::new();
+    replica.enable_journal();
+    replica.set_pager(pager(rs.clone(), rw.clone()));
+    let mut fx = Vec::new();
+    leader
+        .queue_declare(
+            c,
+            "/",
+            QueueDeclare {
+                name: "deep".into(),
+                durable: true,
+                ..Default::default()
+            },
+            &mut fx,
+        )
+        .unwrap();
+    let n = 3 * queue::WINDOW_MESSAGES;
+    for i in 0..n {
+        let m = match i % 2 {
+            0 => {
+                let properties = AMQPProperties::default().with_delivery_mode(2);
+                Arc::new(Message {
+                    raw_properties: warren_protocol::codec::encode_properties(&properties),
+                    properties,
+                    ..Arc::into_inner(msg("", "deep", &format!("{i:04}"))).unwrap()
+                })
+            }
+            _ => msg("", "deep", &format!("{i:04}")),
+        };
+        leader.publish("/", m, &mut fx).unwrap();
+        if i % 100 == 99 {
+            commit(&mut leader, &ls, &lw);
+        }
+    }
+    commit(&mut leader, &ls, &lw);
+    let ship = |leader: &mut Broker, replica: &mut Broker, fx: &mut Vec<Effect>| {
+        for op in leader.take_ops() {
+            replica.apply(&op, fx).unwrap();
+        }
+        commit(replica, &rs, &rw);
+    };
+    ship(&mut leader, &mut replica, &mut fx);
+    let count = |b: &Broker| {
+        let v = b.queue_views(Some("/"));
+        (v[0].messages_ready, v[0].message_bytes_ready)
+    };
+    assert_eq!(count(&replica), (n as u64 / 2, 4 * n as u64 / 2));
+    for i in 0..n {
+        let got = leader.get(c, 1, "/", "deep", true).unwrap().unwrap();
+        assert_eq!(got.msg.body, format!("{i:04}").as_bytes());
+        if i % 100 == 99 {
+            commit(&mut leader, &ls, &lw);
+            ship(&mut leader, &mut replica, &mut fx);
+            // The persistent ones not yet got: even numbers from i + 1 on, of 4 bytes each.
+            let left = (n - (i + 1)).div_ceil(2) as u64;
+            assert_eq!(count(&replica), (left, 4 * left), "after {} got", i + 1);
+        }
+    }
+    commit(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica, &mut fx);
+    assert_eq!(count(&leader), (0, 0));
+    assert_eq!(count(&replica), (0, 0));
+}
+
 /// An auto-delete durable exchange bound to durable and to transient queues: what the leader
 /// records (its replicated ops, roots only) applied to a fresh broker gives the leader's
 /// durable state, whichever binding goes first. Only bindings between durable things are
