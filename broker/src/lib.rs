@@ -1594,13 +1594,13 @@ impl Broker {
             accepted.push(*t);
         }
         let targets = &accepted[..];
-        if (self.log.enabled() || self.log.recording()) && msg.persistent() {
+        if self.log.enabled() || self.log.recording() {
             // Names shared with the queues: no copy per message.
             let mut stored_vhost = None;
             let stored: warren_storage::QueueLevels = targets
                 .iter()
                 .filter_map(|t| self.replicated.queues.get(t))
-                .filter(|q| q.is_stored())
+                .filter(|q| q.keeps(&msg))
                 .map(|q| {
                     stored_vhost.get_or_insert_with(|| q.vhost.clone());
                     (q.name.clone(), q.level(&msg) as u8)
@@ -1753,7 +1753,7 @@ impl Broker {
             };
             let ttl = q.ttl(&msg);
             let expires_at = ttl.map(|t| at.saturating_add(t));
-            let stored = self.log.enabled() && q.is_stored() && msg.persistent();
+            let stored = self.log.enabled() && q.keeps(&msg);
             let batch = self.log.seq() + 1;
             let qm = QueuedMessage {
                 id,

@@ -329,6 +329,13 @@ impl Queue {
         self.durable && !self.exclusive
     }
 
+    /// Whether this queue keeps `msg` in the store (and, in a cluster, replicates it): a
+    /// persistent message of a stored queue, and every message of a quorum queue (quorum
+    /// queues are durable, and RabbitMQ's keep transient messages in their log too).
+    pub fn keeps(&self, msg: &super::Message) -> bool {
+        self.is_stored() && (self.quorum || msg.persistent())
+    }
+
     pub fn message_count(&self) -> usize {
         self.count
     }

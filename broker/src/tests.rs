@@ -854,6 +854,61 @@ fn a_replica_takes_only_the_removals_of_replicated_messages() {
     assert_eq!(count(&replica), (0, 0));
 }
 
+/// Every message of a quorum queue is stored and replicated, transient ones too (RabbitMQ's
+/// quorum queues keep them in their log); a transient message of a durable classic queue is
+/// not.
+#[test]
+fn a_quorum_queue_replicates_its_transient_messages() {
+    let (mut leader, c) = setup();
+    leader.enable_journal();
+    leader.record_ops();
+    let mut fx = Vec::new();
+    let mut quorum = FieldTable::default();
+    quorum.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    for (name, arguments) in [("qq", quorum), ("classic", FieldTable::default())] {
+        leader
+            .queue_declare(
+                c,
+                "/",
+                QueueDeclare {
+                    name: name.into(),
+                    durable: true,
+                    arguments,
+                    ..Default::default()
+                },
+                &mut fx,
+            )
+            .unwrap();
+        leader
+            .publish("/", msg("", name, "transient"), &mut fx)
+            .unwrap();
+    }
+    let journal = leader.take_journal();
+    assert!(
+        journal
+            .iter()
+            .any(|op| matches!(op, Op::Enqueue { queues, .. } if &*queues[0].0 == "qq")),
+        "the quorum queue's message is not stored: {journal:?}"
+    );
+    let mut replica = Broker::new();
+    for op in leader.take_ops() {
+        replica.apply(&op, &mut fx).unwrap();
+    }
+    let view = replica.replicated_view().unwrap();
+    assert_eq!(view, leader.replicated_view().unwrap());
+    let count = |q: &str| {
+        view.queues
+            .iter()
+            .find(|v| v.name == q)
+            .map(|v| v.messages.len())
+    };
+    assert_eq!(count("qq"), Some(1));
+    assert_eq!(count("classic"), Some(0));
+}
+
 /// An auto-delete durable exchange bound to durable and to transient queues: what the leader
 /// records (its replicated ops, roots only) applied to a fresh broker gives the leader's
 /// durable state, whichever binding goes first. Only bindings between durable things are

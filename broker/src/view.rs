@@ -94,7 +94,7 @@ impl Broker {
             let messages: Vec<MessageView> = q
                 .ready_messages()?
                 .into_iter()
-                .filter(|(_, m, _)| m.persistent())
+                .filter(|(_, m, _)| q.keeps(m))
                 .map(|(key, m, expires_at)| MessageView {
                     key,
                     exchange: m.exchange.to_string(),
@@ -198,7 +198,7 @@ impl Broker {
         }
         for (_, q) in &queues {
             for (key, m, expires_at) in q.ready_messages()? {
-                if !m.persistent() {
+                if !q.keeps(&m) {
                     continue;
                 }
                 let timestamp_ms = match (expires_at, q.ttl(&m)) {

@@ -68,7 +68,7 @@ impl Log {
     /// A message the store holds left queue `q` (acknowledged, delivered or got without an
     /// ack, dropped): a `Remove`, merged into the previous op when that removes from the same
     /// queue (one op per queue for a run of acks). Replicated only for a message whose
-    /// enqueue was (persistent, in a stored queue): a transient message the store holds was
+    /// enqueue was (`Queue::keeps`): a transient message the store holds was
     /// spilled there by this broker alone, and a replica that paged out takes the removal of
     /// a message it does not have, by its size, from what it holds on disk.
     pub(super) fn removed(&mut self, q: &Queue, qm: &QueuedMessage) {
@@ -77,7 +77,7 @@ impl Log {
         if self.enabled && !merge_removal(self.writes.last_mut(), q, key, size) {
             self.writes.push(removal(q, key, size));
         }
-        if !(q.is_stored() && qm.msg.persistent()) {
+        if !q.keeps(&qm.msg) {
             return;
         }
         if let Some(ops) = &mut self.ops {
