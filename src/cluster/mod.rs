@@ -522,17 +522,41 @@ async fn first_snapshot(rep: Arc<Replication>, raft: Raft) {
 const IN_FLIGHT: usize = 2;
 
 async fn propose(shared: Arc<Shared>, rep: Arc<Replication>, raft: Raft) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT));
+    // The in-flight slots of one stint. A slot is freed by its proposal's answer, and openraft
+    // 0.9 never answers a proposal whose entry a snapshot installed here replaced (a deposed
+    // leader whose uncommitted entries the next leader overwrote, then sent a snapshot past
+    // them: the responder stays in RaftCore's map). Slots held by an earlier stint must not
+    // stall a later one: a leader then served, heartbeats and lease intact, and never
+    // committed again (chaos seed 49: publishers timed out, a consumer's close-ok waited
+    // behind deliveries held for a commit that never came).
+    let mut slots = (0u64, Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)));
     loop {
         rep.wake.notified().await;
         loop {
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                return;
+            let stint = {
+                let p = rep.state.lock();
+                if p.unproposed.is_empty() || p.leading.is_none() {
+                    break;
+                }
+                p.stint
+            };
+            if slots.0 != stint {
+                slots = (stint, Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT)));
+            }
+            // Bounded, so that a new stint is noticed while this one's slots are all taken.
+            let wait = std::time::Duration::from_millis(100);
+            let slot = match tokio::time::timeout(wait, slots.1.clone().acquire_owned()).await {
+                Ok(Ok(slot)) => slot,
+                Ok(Err(_)) => return,
+                Err(_) => continue,
             };
             let (ops, ticket, clock_ms, stint) = {
                 let mut p = rep.state.lock();
                 if p.unproposed.is_empty() || p.leading.is_none() {
                     break;
+                }
+                if p.stint != stint {
+                    continue;
                 }
                 let (mut ops, mut ticket, mut clock_ms, mut bytes) = (Vec::new(), 0, 0, 0);
                 while let Some(u) = p.unproposed.front() {
