@@ -502,10 +502,13 @@ fn ttl_expires_at_the_head_and_zero_ttl_needs_a_ready_consumer() {
     assert_eq!(delivered(&fx).len(), 1);
 }
 
-/// A store whose next `fail` reads fail (an I/O error), then read normally.
+/// A store whose next `fail` reads fail (an I/O error), then read normally; `reads` counts
+/// the reads asked of it.
+#[derive(Default)]
 struct FlakyReads {
     inner: warren_storage::mem::MemStore,
     fail: std::sync::atomic::AtomicUsize,
+    reads: std::sync::atomic::AtomicUsize,
 }
 
 impl warren_storage::Store for FlakyReads {
@@ -546,6 +549,7 @@ impl warren_storage::Store for FlakyReads {
         max_count: usize,
         max_bytes: usize,
     ) -> Result<Vec<warren_storage::StoredMessage>, warren_storage::StoreError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
         let fail = &self.fail;
         if fail
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -562,10 +566,7 @@ impl warren_storage::Store for FlakyReads {
 /// the next publish or ack: the broker's timer (`retry_reads`) hands the backlog out.
 #[test]
 fn a_failed_backlog_read_is_retried_by_the_timer() {
-    let store = Arc::new(FlakyReads {
-        inner: warren_storage::mem::MemStore::new(),
-        fail: Default::default(),
-    });
+    let store = Arc::new(FlakyReads::default());
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (mut b, c) = setup();
     b.enable_journal();
@@ -613,56 +614,6 @@ fn a_failed_backlog_read_is_retried_by_the_timer() {
     assert_eq!(b.queue_info("/", "deep").unwrap().message_count, 0);
 }
 
-/// A store that counts its reads.
-struct CountedReads {
-    inner: warren_storage::mem::MemStore,
-    reads: std::sync::atomic::AtomicUsize,
-}
-
-impl warren_storage::Store for CountedReads {
-    fn write(&self, ops: &[Op], sync: bool) -> Result<(), warren_storage::StoreError> {
-        self.inner.write(ops, sync)
-    }
-
-    fn recover(&self) -> Result<warren_storage::Recovered, warren_storage::StoreError> {
-        self.inner.recover()
-    }
-
-    fn write_applied(
-        &self,
-        ops: &[Op],
-        applied: &[u8],
-        sync: bool,
-    ) -> Result<(), warren_storage::StoreError> {
-        self.inner.write_applied(ops, applied, sync)
-    }
-
-    fn applied(&self) -> Result<Option<Vec<u8>>, warren_storage::StoreError> {
-        self.inner.applied()
-    }
-
-    fn snapshot_to(
-        &self,
-        sink: &mut dyn warren_storage::SnapshotSink,
-    ) -> Result<(), warren_storage::StoreError> {
-        self.inner.snapshot_to(sink)
-    }
-
-    fn read(
-        &self,
-        vhost: &str,
-        queue: &str,
-        from: u64,
-        to: u64,
-        max_count: usize,
-        max_bytes: usize,
-    ) -> Result<Vec<warren_storage::StoredMessage>, warren_storage::StoreError> {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-        self.inner
-            .read(vhost, queue, from, to, max_count, max_bytes)
-    }
-}
-
 /// A replica's queue has no consumers, so past its window the messages it is given go to its
 /// store; the leader's acks then remove them from there. A `Remove` that carries the messages'
 /// sizes (as a leader records it) takes them out of the counts without reading them back (one
@@ -671,10 +622,7 @@ impl warren_storage::Store for CountedReads {
 #[test]
 fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
     for sized in [true, false] {
-        let store = Arc::new(CountedReads {
-            inner: warren_storage::mem::MemStore::new(),
-            reads: Default::default(),
-        });
+        let store = Arc::new(FlakyReads::default());
         let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut b = Broker::new();
         b.enable_journal();
@@ -763,22 +711,16 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
 /// messages it had on disk.)
 #[test]
 fn a_replica_takes_only_the_removals_of_replicated_messages() {
-    let pager =
-        |store: Arc<CountedReads>, written: Arc<std::sync::atomic::AtomicU64>| queue::Pager {
-            store,
-            written,
-            hold_max_ms: 0,
-            read_failed: Default::default(),
-            clock: Default::default(),
-        };
-    let store = || {
-        Arc::new(CountedReads {
-            inner: warren_storage::mem::MemStore::new(),
-            reads: Default::default(),
-        })
+    let pager = |store: Arc<FlakyReads>, written: Arc<std::sync::atomic::AtomicU64>| queue::Pager {
+        store,
+        written,
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        clock: Default::default(),
     };
+    let store = || Arc::new(FlakyReads::default());
     // The committer's part: the journal written, then released from memory.
-    let commit = |b: &mut Broker, s: &CountedReads, w: &std::sync::atomic::AtomicU64| {
+    let commit = |b: &mut Broker, s: &FlakyReads, w: &std::sync::atomic::AtomicU64| {
         let ops = b.take_journal();
         warren_storage::Store::write(s, &ops, false).unwrap();
         w.store(b.journal_seq(), Ordering::Release);
