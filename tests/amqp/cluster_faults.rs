@@ -1117,7 +1117,9 @@ async fn a_follower_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
         "mounting a tmpfs needs root (set WARREN_SKIP_MOUNT_TESTS=1 to skip this test)"
     );
     let _mount = TmpfsMount(small.clone());
-    let mut c = Cluster::start_in(dir, 3, &[], true);
+    // Heartbeats of 150 ms, as in the snapshot test: AppendEntries of large messages fsynced on
+    // a loaded machine sometimes outlast 50 ms, and a leader change is not this test's subject.
+    let mut c = Cluster::start_in(dir, 3, &["--raft-heartbeat-ms", "150"], true);
     let mut leader = c.leader(Duration::from_secs(20)).await;
     // Node 3 (the small disk) must be a follower: if it leads, freeze it until another
     // leads (a restart would not do: openraft gives a restarted leader its term back).
