@@ -185,6 +185,35 @@ pub struct Cluster {
     pub extra: Vec<String>,
 }
 
+/// A failing test shows the end of every captured node log (CI keeps only the test output).
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let keep = std::env::var("WARREN_TEST_LOGS_TO").ok();
+        if !std::thread::panicking() && keep.is_none() {
+            return;
+        }
+        for node in &mut self.nodes {
+            node.kill();
+            let text = node.log_text();
+            // WARREN_TEST_LOGS_TO: a folder that keeps the whole logs (for a diagnosis).
+            if let Some(dir) = &keep {
+                let _ = std::fs::write(format!("{dir}/n{}.log", node.id), &text);
+            }
+            if !std::thread::panicking() {
+                continue;
+            }
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            if !tail.is_empty() {
+                eprintln!("---- node {} log, last {} lines:", node.id, tail.len());
+                for l in tail {
+                    eprintln!("{l}");
+                }
+            }
+        }
+    }
+}
+
 impl Cluster {
     /// `n` nodes on free loopback ports, each with its own data folder.
     pub fn start(n: u64) -> Cluster {
@@ -270,9 +299,10 @@ impl Cluster {
                         .open(path)
                         .expect("open the node's log file"),
                 ),
-                "warn",
+                // WARREN_TEST_LOG overrides the filter of captured logs, for a diagnosis.
+                std::env::var("WARREN_TEST_LOG").unwrap_or_else(|_| "warn".into()),
             ),
-            None => (std::process::Stdio::inherit(), "warn,openraft=error"),
+            None => (std::process::Stdio::inherit(), "warn,openraft=error".into()),
         };
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
             .args(["server", "--node-id", &node.id.to_string()])
@@ -283,7 +313,7 @@ impl Cluster {
             .args(&self.extra)
             .arg("--data-dir")
             .arg(&data)
-            .env("WARREN_LOG", filter)
+            .env("WARREN_LOG", &filter)
             .env("NO_COLOR", "1")
             .envs(node.env.iter().cloned())
             .stdout(std::process::Stdio::null())
@@ -362,11 +392,13 @@ impl Cluster {
 }
 
 impl Cluster {
-    /// Voters in the first live node's view (the initial three unless changed).
+    /// Voters in the first live, unpaused node's view (the initial three unless changed).
     fn voters(&self) -> usize {
         self.nodes
             .iter()
-            .filter(|n| n.child.is_some())
+            // Not a paused node: it would not answer, and waiting out its 2 s timeout here
+            // made `leader` late by 2 s whenever node 1 was frozen.
+            .filter(|n| n.child.is_some() && !n.paused)
             .find_map(|n| n.status())
             .and_then(|s| {
                 s["nodes"]
