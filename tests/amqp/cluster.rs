@@ -119,6 +119,11 @@ impl Node {
         }
     }
 
+    /// Running and not paused: it answers (a paused node would only time out).
+    pub fn answers(&self) -> bool {
+        self.child.is_some() && !self.paused
+    }
+
     /// SIGCONT.
     pub fn resume(&mut self) {
         self.signal("CONT");
@@ -360,7 +365,7 @@ impl Cluster {
                 .nodes
                 .iter()
                 .enumerate()
-                .filter(|(_, n)| n.child.is_some() && !n.paused)
+                .filter(|(_, n)| n.answers())
                 .filter_map(|(i, n)| n.status().map(|s| (i, s)))
                 .collect();
             let serving: Vec<usize> = live
@@ -396,9 +401,9 @@ impl Cluster {
     fn voters(&self) -> usize {
         self.nodes
             .iter()
-            // Not a paused node: it would not answer, and waiting out its 2 s timeout here
-            // made `leader` late by 2 s whenever node 1 was frozen.
-            .filter(|n| n.child.is_some() && !n.paused)
+            // Not a paused node: waiting out its 2 s timeout here made `leader` late by 2 s
+            // whenever node 1 was frozen.
+            .filter(|n| n.answers())
             .find_map(|n| n.status())
             .and_then(|s| {
                 s["nodes"]
@@ -491,7 +496,7 @@ pub async fn declare(conn: &Connection, queue: &str) {
 /// Messages of `queue` on every live node's management API equal `n`, within `within`.
 pub async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
     let deadline = Instant::now() + within;
-    for node in c.nodes.iter().filter(|n| n.child.is_some() && !n.paused) {
+    for node in c.nodes.iter().filter(|n| n.answers()) {
         loop {
             let count = node
                 .get(&format!("/api/queues/%2f/{queue}"))

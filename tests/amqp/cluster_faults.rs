@@ -57,7 +57,7 @@ async fn wait_for(within: Duration, what: &str, mut cond: impl FnMut() -> bool) 
 /// The term and leader id every live node reports (asserting they agree).
 fn term_and_leader(c: &Cluster) -> (u64, u64) {
     let mut seen = BTreeSet::new();
-    for node in c.nodes.iter().filter(|n| n.child.is_some() && !n.paused) {
+    for node in c.nodes.iter().filter(|n| n.answers()) {
         let s = node
             .status()
             .unwrap_or_else(|| panic!("node {} does not answer /api/cluster", node.id));
