@@ -111,6 +111,10 @@ impl warren_storage::Store for SlowSync {
         self.inner.applied()
     }
 
+    fn persist(&self) -> Result<(), warren_storage::StoreError> {
+        self.inner.persist()
+    }
+
     fn snapshot_to(
         &self,
         sink: &mut dyn warren_storage::SnapshotSink,
@@ -282,6 +286,9 @@ impl Shared {
         let path = config.data_dir.join("store");
         let options = warren_rocks::OpenOptions {
             recover_damaged: config.recover_damaged,
+            // A cluster node's Raft log is the durable record (see `OpenOptions::unlogged`;
+            // the state machine persists the store before the log behind a snapshot goes).
+            unlogged: config.cluster.is_some(),
         };
         let store = match warren_rocks::RocksStore::open_with(&path, &options) {
             Ok(store) => store,

@@ -533,6 +533,10 @@ impl warren_storage::Store for FlakyReads {
         self.inner.applied()
     }
 
+    fn persist(&self) -> Result<(), warren_storage::StoreError> {
+        self.inner.persist()
+    }
+
     fn snapshot_to(
         &self,
         sink: &mut dyn warren_storage::SnapshotSink,

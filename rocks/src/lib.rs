@@ -77,6 +77,13 @@ pub struct OpenOptions {
     /// copied to `damaged-<unix time>/` beside it, RocksDB's repair keeps what it can read, and
     /// what was lost is logged.
     pub recover_damaged: bool,
+    /// Write without RocksDB's write-ahead log: for a cluster node, whose Raft log is the
+    /// durable record of every change and whose writes carry their applied position
+    /// (`Store::write_applied`). A crash loses the writes not yet flushed to table files, and
+    /// the node applies them again from its Raft log; so the log must be kept until
+    /// `Store::persist` has made them durable. A synced write flushes instead of fsyncing a
+    /// log. This saves each message's second copy and checksum on every node.
+    pub unlogged: bool,
 }
 
 pub struct RocksStore {
@@ -172,7 +179,7 @@ impl RocksStore {
     /// Open with options: with `recover_damaged`, a store refused by [`RocksStore::open`]
     /// is salvaged (see [`OpenOptions`]) rather than refused.
     pub fn open_with(path: &Path, options: &OpenOptions) -> Result<Self, StoreError> {
-        match Self::open_checked(path, Tuning::new(), Mode::Strict) {
+        match Self::open_checked(path, Tuning::new(options.unlogged), Mode::Strict) {
             Ok(store) => {
                 if options.recover_damaged {
                     tracing::warn!(path = %path.display(), "asked to recover a damaged store, but nothing is damaged: started as usual");
@@ -180,7 +187,7 @@ impl RocksStore {
                 Ok(store)
             }
             Err(e @ StoreError::Corrupt { .. }) if options.recover_damaged => {
-                salvage::salvage(path, e)
+                salvage::salvage(path, e, options.unlogged)
             }
             Err(e) => Err(e),
         }
@@ -477,6 +484,16 @@ impl View<'_> {
     /// A logged write. Callers hold `Inner::writing`: the sequence number read after it is
     /// this write's.
     fn commit(&self, batch: WriteBatch, sync: bool) -> Result<(), StoreError> {
+        if self.inner.tuning.unlogged {
+            self.commit_unlogged(batch)?;
+            self.inner
+                .last_logged
+                .store(self.db.latest_sequence_number(), Ordering::Release);
+            if sync {
+                self.persist()?;
+            }
+            return Ok(());
+        }
         let mut opts = WriteOptions::default();
         opts.set_sync(sync);
         self.db.write_opt(batch, &opts).map_err(|e| self.err(e))?;
@@ -485,6 +502,27 @@ impl View<'_> {
         if sync {
             self.inner.confirmed.fetch_max(seq, Ordering::AcqRel);
         }
+        Ok(())
+    }
+
+    /// Make every write so far durable: fsync the log, or (unlogged) flush every column
+    /// family's memtable to table files, all at one point (`atomic_flush`). Writes may go on
+    /// meanwhile (they go to new memtables). An unlogged flush holds `Jobs::compacting`, as
+    /// the compaction thread does: a flush forced now must not meet `reclaim` dropping files.
+    fn persist(&self) -> Result<(), StoreError> {
+        let seq = self.db.latest_sequence_number();
+        if self.inner.tuning.unlogged {
+            let _c = lock(&self.inner.jobs.compacting);
+            let (meta, messages, shared) = (self.meta()?, self.messages()?, self.shared()?);
+            let mut wait = rocksdb::FlushOptions::default();
+            wait.set_wait(true);
+            self.db
+                .flush_cfs_opt(&[&meta, &messages, &shared], &wait)
+                .map_err(|e| self.err(e))?;
+        } else {
+            self.db.flush_wal(true).map_err(|e| self.err(e))?;
+        }
+        self.inner.confirmed.fetch_max(seq, Ordering::AcqRel);
         Ok(())
     }
 
@@ -566,10 +604,14 @@ impl Batches {
         if !self.logged.is_empty() {
             store.commit(std::mem::take(&mut self.logged), sync)?;
         } else if sync && self.logged_written {
-            store.db.flush_wal(true).map_err(|e| store.err(e))?;
-            // Everything logged so far is on disk; spills written since were not logged.
-            let logged = store.inner.last_logged.load(Ordering::Acquire);
-            store.inner.confirmed.fetch_max(logged, Ordering::AcqRel);
+            if store.inner.tuning.unlogged {
+                store.persist()?;
+            } else {
+                store.db.flush_wal(true).map_err(|e| store.err(e))?;
+                // Everything logged so far is on disk; spills written since were not logged.
+                let logged = store.inner.last_logged.load(Ordering::Acquire);
+                store.inner.confirmed.fetch_max(logged, Ordering::AcqRel);
+            }
         }
         Ok(())
     }
@@ -611,6 +653,10 @@ impl Store for RocksStore {
             sink.taken();
             v.stream_snapshot(&snap, sink)
         })
+    }
+
+    fn persist(&self) -> Result<(), StoreError> {
+        self.inner.with_view(|v| v.persist())
     }
 
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
@@ -1514,5 +1560,66 @@ mod tests {
         }
         open::write_watermark(dir.path(), confirmed).unwrap();
         RocksStore::open(dir.path()).unwrap();
+    }
+    /// A cluster node's store writes without a log (`OpenOptions::unlogged`): what a crash
+    /// leaves on disk is exactly the state at the last `persist` (the messages with the applied
+    /// position that covers them, never one without the other), and a clean close keeps all.
+    #[test]
+    fn an_unlogged_store_keeps_on_disk_what_persist_made_durable() {
+        fn copy_dir(from: &Path, to: &Path) {
+            std::fs::create_dir_all(to).unwrap();
+            for e in std::fs::read_dir(from).unwrap() {
+                let e = e.unwrap();
+                if e.file_type().unwrap().is_file() {
+                    std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+                }
+            }
+        }
+        fn count(s: &RocksStore, queue: &str) -> u64 {
+            let rec = s.recover().unwrap();
+            let q = rec.queues.iter().find(|q| q.name == queue).unwrap();
+            q.levels.iter().map(|l| l.count).sum()
+        }
+        let unlogged = OpenOptions {
+            unlogged: true,
+            ..Default::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("store");
+        let s = RocksStore::open_with(&path, &unlogged).unwrap();
+        let first: Vec<Op> = std::iter::once(declare("q"))
+            .chain((1..=100).map(|i| enqueue("q", i, random_body(i, 1000))))
+            .collect();
+        s.write_applied(&first, b"100", false).unwrap();
+        s.persist().unwrap();
+        let second: Vec<Op> = (101..=150)
+            .map(|i| enqueue("q", i, random_body(i, 1000)))
+            .collect();
+        s.write_applied(&second, b"150", false).unwrap();
+        // Nothing of the second write is in a file, not even in a log (RocksDB still starts
+        // a log file with a record of its predecessor: a few bytes, no message of 1,000).
+        let logs: u64 = open::log_files(&path).iter().map(|(_, n)| n).sum();
+        assert!(logs < 1000, "an unlogged store wrote {logs} bytes of log");
+        // The files as they are now: what a SIGKILL would leave.
+        let crashed = dir.path().join("crashed");
+        copy_dir(&path, &crashed);
+        drop(s);
+        let c = RocksStore::open_with(&crashed, &unlogged).unwrap();
+        assert_eq!(c.applied().unwrap().as_deref(), Some(&b"100"[..]));
+        assert_eq!(count(&c, "q"), 100);
+        drop(c);
+        // Closed cleanly: everything.
+        let s = RocksStore::open_with(&path, &unlogged).unwrap();
+        assert_eq!(s.applied().unwrap().as_deref(), Some(&b"150"[..]));
+        assert_eq!(count(&s, "q"), 150);
+        // A synced write is durable at once, as `persist` makes it.
+        s.write_applied(&[enqueue("q", 151, random_body(151, 10))], b"151", true)
+            .unwrap();
+        let synced = dir.path().join("synced");
+        copy_dir(&path, &synced);
+        drop(s);
+        let c = RocksStore::open_with(&synced, &unlogged).unwrap();
+        assert_eq!(c.applied().unwrap().as_deref(), Some(&b"151"[..]));
+        assert_eq!(count(&c, "q"), 151);
     }
 }

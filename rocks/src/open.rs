@@ -161,10 +161,14 @@ pub(crate) struct Tuning {
     buffers: WriteBufferManager,
     pub(crate) max_open_files: i32,
     pub(crate) log: Arc<RocksLog>,
+    /// Writes skip the write-ahead log (`OpenOptions::unlogged`): column families are then
+    /// flushed together (`atomic_flush`), so what is on disk is always the state after one
+    /// whole write, across all of them.
+    pub(crate) unlogged: bool,
 }
 
 impl Tuning {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(unlogged: bool) -> Self {
         let cache = Cache::new_lru_cache(BLOCK_CACHE_BYTES);
         let buffers = WriteBufferManager::new_write_buffer_manager_with_cache(
             MEMTABLE_BUDGET_BYTES,
@@ -176,6 +180,7 @@ impl Tuning {
             buffers,
             max_open_files: max_open_files(),
             log: Arc::new(RocksLog::default()),
+            unlogged,
         }
     }
 
@@ -208,6 +213,10 @@ impl Tuning {
         // Bound the WAL so idle queues' memtables get flushed rather than pinning old logs.
         o.set_max_total_wal_size(128 * 1024 * 1024);
         o.set_max_open_files(self.max_open_files);
+        // Without a log, a flush of one column family alone could put on disk a write's
+        // messages without its applied position (or the reverse). Flushing on close is
+        // RocksDB's default (`avoid_flush_during_shutdown` false): a clean stop keeps all.
+        o.set_atomic_flush(self.unlogged);
         // Refuse table files that cannot be opened, and stop writing after a failed write
         // (the store reopens itself once the cause is gone: see `maintenance`).
         o.set_paranoid_checks(mode != Mode::Survey);

@@ -24,7 +24,11 @@ use std::sync::atomic::Ordering;
 use warren_storage::codec::decode_entity_key;
 use warren_storage::StoreError;
 
-pub(crate) fn salvage(path: &Path, refused: StoreError) -> Result<RocksStore, StoreError> {
+pub(crate) fn salvage(
+    path: &Path,
+    refused: StoreError,
+    unlogged: bool,
+) -> Result<RocksStore, StoreError> {
     tracing::warn!(reason = %refused, "the store is damaged; --recover-damaged: keeping a copy, then starting with what can be read");
     let confirmed = open::read_watermark(path);
     let aside = open::copy_aside(path)?;
@@ -39,7 +43,7 @@ pub(crate) fn salvage(path: &Path, refused: StoreError) -> Result<RocksStore, St
         },
         e => e,
     };
-    let tuning = Tuning::new();
+    let tuning = Tuning::new(unlogged);
     let tables = survey(path, &tuning);
     let lines = open::repair(path, &tuning).map_err(with_copy)?;
     // RocksDB moved what it could not use (and the old MANIFEST) there: all of it is in the copy.

@@ -444,7 +444,12 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 .and_then(|()| match writer {
                     Some(w) => w.finish().map_err(|e| e.to_string()),
                     None => Err("the snapshot file is closed".into()),
-                });
+                })
+                // openraft purges the log behind a snapshot once it is built, and the store
+                // writes without a log of its own (`OpenOptions::unlogged`): what it holds up
+                // to the snapshot's position must be on disk first, or a crash would leave it
+                // needing entries that are gone.
+                .and_then(|()| store.persist().map_err(|e| e.to_string()));
             if result.is_err() {
                 let _ = std::fs::remove_file(&path);
             }

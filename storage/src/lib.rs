@@ -130,6 +130,11 @@ pub trait Store: Send + Sync {
     /// The position last written by [`Store::write_applied`] (None: never).
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError>;
 
+    /// Make every write made so far durable, synced or not. A store that writes without a
+    /// log (a cluster node's: its Raft log is the record) may lose unsynced writes in a crash
+    /// until this returns, so the Raft log is kept until then.
+    fn persist(&self) -> Result<(), StoreError>;
+
     /// Everything the store keeps that a replica must have, as ops that rebuild it on an
     /// empty store, streamed to `sink` in groups: users, exchanges, queues, bindings, then each
     /// queue's stored messages in key order (one `Enqueue` per queue and message, in groups of
@@ -200,6 +205,10 @@ impl<T: Store + ?Sized> Store for std::sync::Arc<T> {
         (**self).applied()
     }
 
+    fn persist(&self) -> Result<(), StoreError> {
+        (**self).persist()
+    }
+
     fn snapshot_to(&self, sink: &mut dyn SnapshotSink) -> Result<(), StoreError> {
         (**self).snapshot_to(sink)
     }
@@ -241,6 +250,10 @@ impl<T: Store + ?Sized> Store for Box<T> {
 
     fn applied(&self) -> Result<Option<Vec<u8>>, StoreError> {
         (**self).applied()
+    }
+
+    fn persist(&self) -> Result<(), StoreError> {
+        (**self).persist()
     }
 
     fn snapshot_to(&self, sink: &mut dyn SnapshotSink) -> Result<(), StoreError> {

@@ -241,6 +241,11 @@ impl Store for MemStore {
             .clone())
     }
 
+    /// Memory holds everything written as long as it lives.
+    fn persist(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     fn write(&self, ops: &[Op], sync: bool) -> Result<(), StoreError> {
         self.write_locked(ops, sync, None)
     }

@@ -807,6 +807,11 @@ async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up
         .await
         .unwrap();
     assert_eq!(q.message_count(), 315);
+    // The old leader, killed after its log was purged behind a snapshot, comes back with
+    // everything: a cluster node's store writes no log of its own, so it must have made its
+    // state durable (persist) before its Raft log behind the snapshot went.
+    c.restart(leader);
+    replicated(&c, "snap", 315, Duration::from_secs(20)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
