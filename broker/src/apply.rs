@@ -103,6 +103,7 @@ impl Broker {
                     | Op::Bind { .. }
                     | Op::Unbind { .. }
                     | Op::PutUser { .. }
+                    | Op::DeleteUser { .. }
             )
             && self.is_durable(op)
         {
@@ -301,6 +302,9 @@ impl Broker {
                         tags: tags.clone(),
                     },
                 );
+            }
+            Op::DeleteUser { name } => {
+                self.replicated.users.remove(name);
             }
         }
         Ok(())

@@ -655,13 +655,23 @@ impl Broker {
             | Op::Remove { .. }
             | Op::Spill { .. }
             | Op::RemoveRange { .. }
-            | Op::PutUser { .. } => true,
+            | Op::PutUser { .. }
+            | Op::DeleteUser { .. } => true,
         }
     }
 
     /// A user, by name.
     pub fn user(&self, name: &str) -> Option<&users::User> {
         self.replicated.users.get(name)
+    }
+
+    /// Every user with their name, in name order.
+    pub fn users(&self) -> Vec<(String, users::User)> {
+        self.replicated
+            .users
+            .iter()
+            .map(|(n, u)| (n.clone(), u.clone()))
+            .collect()
     }
 
     /// Whether any user exists (a data folder that has none gets its default user).

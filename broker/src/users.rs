@@ -1,5 +1,5 @@
 //! Users: RabbitMQ's password hashing and the users table the broker keeps (replicated state,
-//! changed only through `Op::PutUser` in `Broker::apply`).
+//! changed only through `Op::PutUser` and `Op::DeleteUser` in `Broker::apply`).
 //!
 //! Hashes are RabbitMQ's `rabbit_password_hashing_sha256`: base64 of a 4-byte salt followed by
 //! SHA-256(salt ++ password), so a `password_hash` exported from RabbitMQ logs in here with the

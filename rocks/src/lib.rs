@@ -930,6 +930,10 @@ impl View<'_> {
                     b.logged(self)?
                         .put_cf(&meta, entity_key(USER_PREFIX, "", name), rec.encode());
                 }
+                Op::DeleteUser { name } => {
+                    b.logged(self)?
+                        .delete_cf(&meta, entity_key(USER_PREFIX, "", name));
+                }
             }
         }
         if let Some(a) = applied {

@@ -3,7 +3,9 @@
 //! field names and status codes follow RabbitMQ's; see the README for the endpoints served.
 //!
 //! Users log in with HTTP basic auth, with the same users (and loopback rule for `guest`) as
-//! AMQP. Every user is an administrator until users get tags and permissions.
+//! AMQP, and need one of the management tags (administrator, monitoring, management,
+//! policymaker), as in RabbitMQ. The users endpoints are for administrators; the others do not
+//! yet narrow what a non-administrator sees (issue 14's permissions).
 //!
 //! This file holds the router, its layers (trailing slash, login, caught panics) and what the
 //! resources share: the vhost check, changes made through the core, the JSON error answers.
@@ -16,6 +18,7 @@ mod exchanges;
 mod json;
 mod overview;
 mod queues;
+mod users;
 mod vhosts;
 mod whoami;
 
@@ -91,6 +94,13 @@ fn router(shared: Arc<Shared>) -> Router {
         .route("/api/nodes", get(cluster::nodes))
         .route("/api/cluster/nodes", axum::routing::post(cluster::add_node))
         .route("/api/cluster/nodes/{id}", delete(cluster::remove_node))
+        .route("/api/users", get(users::users))
+        .route(
+            "/api/users/{name}",
+            get(users::user)
+                .put(users::put_user)
+                .delete(users::delete_user),
+        )
         .route("/api/vhosts", get(vhosts))
         .route("/api/vhosts/{vhost}", get(vhost))
         .route("/api/connections", get(connections))
@@ -303,6 +313,15 @@ async fn require_login(
 ) -> Response {
     match authenticate(&shared, req.headers(), peer) {
         Some(user) => {
+            let tags = shared.query(|b| b.user(&user).map(|u| u.tags.clone()));
+            if !tags.is_some_and(|t| users::may_manage(&t)) {
+                // RabbitMQ's answer to a user without a management tag.
+                return (
+                    StatusCode::UNAUTHORIZED,
+                    Json(json!({"error": "not_authorised", "reason": "Not management user"})),
+                )
+                    .into_response();
+            }
             req.extensions_mut().insert(Login(user));
             next.run(req).await
         }

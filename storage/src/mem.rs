@@ -196,6 +196,9 @@ impl MemStore {
                         },
                     );
                 }
+                Op::DeleteUser { name } => {
+                    s.users.remove(name);
+                }
             }
         }
         if let Some(a) = applied {

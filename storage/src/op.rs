@@ -127,6 +127,10 @@ pub enum Op {
         password_hash: String,
         tags: Vec<String>,
     },
+    /// Delete a user (their connections are closed by whoever made the change).
+    DeleteUser {
+        name: String,
+    },
 }
 
 impl Op {
@@ -145,7 +149,7 @@ impl Op {
             | Op::Spill { vhost, .. }
             | Op::RemoveRange { vhost, .. } => vhost,
             // Users belong to no vhost.
-            Op::PutUser { .. } => "",
+            Op::PutUser { .. } | Op::DeleteUser { .. } => "",
         }
     }
 }

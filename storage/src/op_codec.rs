@@ -41,6 +41,7 @@
 //! | 11  | `RemoveRange`     | vhost, queue, from, to                                              |
 //! | 12  | `PutUser`         | name, password_hash, tags (count + string each)                     |
 //! | 13  | `Remove` with sizes | vhost, queue, count, then (key u64, size u64) each                |
+//! | 14  | `DeleteUser`      | name                                                                |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -76,13 +77,14 @@ pub const TAG_REMOVE_RANGE: u8 = 11;
 pub const TAG_PUT_USER: u8 = 12;
 /// `Remove` whose `sizes` are known (one per key); tag 8 is one whose `sizes` are not.
 pub const TAG_REMOVE_SIZED: u8 = 13;
+pub const TAG_DELETE_USER: u8 = 14;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 13] = [
+const ALL_TAGS: [u8; 14] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -96,6 +98,7 @@ const ALL_TAGS: [u8; 13] = [
     TAG_REMOVE_RANGE,
     TAG_PUT_USER,
     TAG_REMOVE_SIZED,
+    TAG_DELETE_USER,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -112,9 +115,9 @@ const _: () = {
     }
 };
 
-/// The fewest bytes any op takes (`DeleteExchange`, `DeleteQueue`, `Purge` with empty names:
-/// a tag and two lengths): bounds an entry's op count by its size before allocating.
-const MIN_OP_LEN: usize = 1 + 4 + 4;
+/// The fewest bytes any op takes (`DeleteUser` with an empty name: a tag and a length):
+/// bounds an entry's op count by its size before allocating.
+const MIN_OP_LEN: usize = 1 + 4;
 
 /// The tag of an op. The match is exhaustive on purpose (no `_ =>`): a new variant of [`Op`]
 /// does not compile until it has a tag here and an encoding in [`encode_op`].
@@ -133,6 +136,7 @@ pub fn tag(op: &Op) -> u8 {
         Op::Spill { .. } => TAG_SPILL,
         Op::RemoveRange { .. } => TAG_REMOVE_RANGE,
         Op::PutUser { .. } => TAG_PUT_USER,
+        Op::DeleteUser { .. } => TAG_DELETE_USER,
     }
 }
 
@@ -350,6 +354,7 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
                 put_bytes(b, t.as_bytes())?;
             }
         }
+        Op::DeleteUser { name } => put_bytes(b, name.as_bytes())?,
     }
     Ok(())
 }
@@ -597,6 +602,9 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
                 tags,
             }
         }
+        TAG_DELETE_USER => Op::DeleteUser {
+            name: get_string(b)?,
+        },
         _ => return Err(DecodeError("unknown op tag")),
     };
     Ok(op)
@@ -862,6 +870,14 @@ mod tests {
     }
 
     #[test]
+    fn golden_delete_user() {
+        golden(
+            Op::DeleteUser { name: "bob".into() },
+            "0e | 00000003 626f62",
+        );
+    }
+
+    #[test]
     fn golden_empty_entry() {
         assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
@@ -956,6 +972,7 @@ mod tests {
                 keys: vec![crate::message_key(3, 42)],
                 sizes: vec![300],
             },
+            Op::DeleteUser { name: "u".into() },
         ]
     }
 
@@ -964,7 +981,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=13).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=14).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1038,7 +1055,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 14, 255] {
+        for t in [0u8, 15, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1320,6 +1337,7 @@ mod tests {
                         tags,
                     }
                 ),
+                string().prop_map(|name| Op::DeleteUser { name }),
             ]
         }
 

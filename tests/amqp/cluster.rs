@@ -1060,7 +1060,11 @@ fn http_call(
         .allow_non_standard_methods(true)
         .build()
         .into();
-    let mut r = agent.run(req).unwrap();
+    // Status 0: no answer (a node not listening yet, or gone), with the error as the body.
+    let mut r = match agent.run(req) {
+        Ok(r) => r,
+        Err(e) => return (0, e.to_string()),
+    };
     let status = r.status().as_u16();
     (status, r.body_mut().read_to_string().unwrap_or_default())
 }
@@ -1136,4 +1140,76 @@ async fn a_followers_management_api_is_the_leaders() {
     assert_eq!(status, 204, "{body}");
     let (status, _) = http_call(l, "GET", "/api/queues/%2f/through-a-follower", None, &[]);
     assert_eq!(status, 404);
+}
+
+/// Issue 14 point 5 (users): a user made through the management API is an op of the
+/// replicated log. Every node has it, a client logs in with it through a follower, a follower
+/// killed and restarted still has it, and its deletion reaches every node and refuses the login.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_made_through_the_api_are_replicated_and_survive_a_restart() {
+    let mut c = Cluster::start(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let f = (leader + 1) % 3;
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/users/app",
+        Some(r#"{"password":"app-pass","tags":"management"}"#),
+        &[],
+    );
+    assert_eq!(status, 201, "{body}");
+    // Each node answers from its own replicated state (a request marked as forwarded already).
+    let has_user = |n: &Node| {
+        http_call(
+            n,
+            "GET",
+            "/api/users/app",
+            None,
+            &[("x-warren-proxied-by", "9")],
+        )
+        .0 == 200
+    };
+    let until = |c: &Cluster, want: bool| {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let on: Vec<bool> = c.nodes.iter().map(has_user).collect();
+            if on.iter().all(|&h| h == want) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the user on each node: {on:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    until(&c, true);
+    let login = |n: &Node| format!("amqp://app:app-pass@127.0.0.1:{}/%2f", n.amqp);
+    let conn = Connection::connect(&login(&c.nodes[f]), ConnectionProperties::default())
+        .await
+        .expect("the new user logs in through a follower");
+    conn.close(200, "bye".into()).await.unwrap();
+
+    c.nodes[f].kill();
+    c.restart(f);
+    until(&c, true);
+
+    // Deleted through the restarted follower, once it hears the leader again (until then it
+    // refuses changes with 503; once it does, it hands them to the leader).
+    let deadline = Instant::now() + WAIT;
+    let (status, body) = loop {
+        let (status, body) = http_call(&c.nodes[f], "DELETE", "/api/users/app", None, &[]);
+        if status != 503 || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(status, 204, "{body}");
+    until(&c, false);
+    for n in &c.nodes {
+        assert!(
+            Connection::connect(&login(n), ConnectionProperties::default())
+                .await
+                .is_err(),
+            "a deleted user logged in on node {}",
+            n.id
+        );
+    }
 }
