@@ -476,6 +476,11 @@ def test_a_password_hash_exported_from_rabbitmq_logs_in_with_its_password():
     assert put_user(name, {"password": "x", "password_hash": rabbit_hash("x"), "tags": ""}) == 400
     assert put_user(name, {"password_hash": "", "tags": ""}) == 204
     assert not amqp_login(name, "from-rabbit") and not amqp_login(name, "")
+    # A blank password never logs in; a PUT without tags is refused.
+    assert put_user(name, {"password": "", "tags": ""}) == 204
+    assert not amqp_login(name, "")
+    status, body, _ = api("PUT", "/api/users/" + q(name), data=json.dumps({"password": "p"}).encode())
+    assert status == 400 and "tags_not_present" in body["reason"]
     assert api("DELETE", "/api/users/" + q(name))[0] == 204
 
 

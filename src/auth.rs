@@ -7,6 +7,10 @@ use crate::node::Shared;
 /// Whether these credentials may log in from `ip`: a stored user with the right password, and
 /// users in `loopback_users` (guest by default) only from a loopback address, as RabbitMQ.
 pub(crate) fn login_allowed(shared: &Shared, user: &str, pass: &str, ip: std::net::IpAddr) -> bool {
+    // RabbitMQ's internal users never log in with a blank password.
+    if pass.is_empty() {
+        return false;
+    }
     // The hash is checked outside the broker lock.
     let hash = shared.query(|b| b.user(user).map(|u| u.password_hash.clone()));
     hash.is_some_and(|h| crate::broker::users::password_matches(&h, pass))

@@ -385,6 +385,16 @@ fn check_health(inner: &Inner) {
     if since.elapsed() < wait {
         return;
     }
+    if inner.tuning.unlogged {
+        // Closing the database would drop its memtables: applied writes that no log holds.
+        // It stays stopped (unless RocksDB resumes it, above); the node's next applied write
+        // fails and it stops replicating; a restart applies again from its Raft log.
+        let mut h = lock(&inner.health);
+        if h.report() {
+            tracing::error!(path = %inner.path.display(), state = %h.describe(), "the store stopped after an error and is not reopened while running (it writes no log of its own); restart this node once the cause is gone");
+        }
+        return;
+    }
     if let Err(e) = files_writable(&inner.path) {
         let mut h = lock(&inner.health);
         if h.report() {

@@ -147,8 +147,8 @@ impl StateMachine {
         if !committer.barrier() {
             return Err(io_err("the store failed a write"));
         }
-        // What the store holds goes first: every queue (with its bindings and messages) and
-        // exchange. Users are put again by the snapshot.
+        // What the store holds goes first: every queue (with its bindings and messages),
+        // exchange and user; the snapshot then puts back what it holds.
         let mut pending = Vec::new();
         store
             .snapshot_to(&mut Definitions(&mut pending))
@@ -196,6 +196,8 @@ impl warren_storage::SnapshotSink for Definitions<'_> {
                 Op::DeclareExchange { vhost, name, .. } => {
                     self.0.push(Op::DeleteExchange { vhost, name })
                 }
+                // A user deleted since (and so not in the snapshot) must go too.
+                Op::PutUser { name, .. } => self.0.push(Op::DeleteUser { name }),
                 Op::Enqueue { .. } => return Ok(false),
                 _ => {}
             }

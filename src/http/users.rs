@@ -77,7 +77,8 @@ pub(super) async fn user(
     }
 }
 
-/// `tags` as RabbitMQ takes it: a comma-separated string or a list of strings.
+/// `tags` as RabbitMQ takes it: a comma-separated string or a list of strings; required (as
+/// RabbitMQ requires it: a PUT that only changes a password must not drop the tags).
 fn tags(m: &Map<String, Value>) -> Result<Vec<String>, String> {
     let mut out: Vec<String> = Vec::new();
     let mut add = |t: &str| {
@@ -87,7 +88,7 @@ fn tags(m: &Map<String, Value>) -> Result<Vec<String>, String> {
         }
     };
     match m.get("tags") {
-        None | Some(Value::Null) => {}
+        None | Some(Value::Null) => return Err("tags_not_present".into()),
         Some(Value::String(s)) => s.split(',').for_each(&mut add),
         Some(Value::Array(a)) => {
             for t in a {
@@ -192,6 +193,14 @@ pub(super) async fn delete_user(
     let result = change(&shared, |b, fx| {
         if b.user(&name).is_none() {
             return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        // With no user left, the next start (or the next leader) would create the default
+        // user (guest/guest) again, as on an empty data folder: the last one stays.
+        if b.users().len() == 1 {
+            return Err(AmqpError::connection(
+                ReplyCode::PreconditionFailed,
+                "the last user cannot be deleted",
+            ));
         }
         b.apply(&op, fx)
     })
