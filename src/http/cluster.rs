@@ -90,7 +90,15 @@ pub(super) async fn nodes(State(shared): Api) -> Response {
 /// `POST /api/cluster/nodes` `{"id": 4, "raft": "HOST:PORT", "voter": true}` on the leader:
 /// add the node as a learner (openraft replicates the log to it and waits until it has caught
 /// up), then, unless `voter` is false, promote it to voter. Both are Raft membership changes.
-pub(super) async fn add_node(State(shared): Api, body: axum::body::Bytes) -> Response {
+pub(super) async fn add_node(
+    State(shared): Api,
+    axum::extract::Extension(super::Login(me)): axum::extract::Extension<super::Login>,
+    body: axum::body::Bytes,
+) -> Response {
+    // Membership is an administrator's change, as every change of RabbitMQ's cluster is.
+    if !super::users::is_administrator(&shared, &me) {
+        return super::users::not_administrator();
+    }
     let m = match super::json::body_object(&body) {
         Ok(m) => m,
         Err(reason) => return super::bad_request(&reason),
@@ -151,8 +159,12 @@ pub(super) async fn add_node(State(shared): Api, body: axum::body::Bytes) -> Res
 /// stops replicating; a removed node notices and stops its Raft).
 pub(super) async fn remove_node(
     State(shared): Api,
+    axum::extract::Extension(super::Login(me)): axum::extract::Extension<super::Login>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
+    if !super::users::is_administrator(&shared, &me) {
+        return super::users::not_administrator();
+    }
     let Ok(id) = id.parse::<u64>() else {
         return super::bad_request("the node id must be a number");
     };
