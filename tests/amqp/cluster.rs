@@ -715,6 +715,23 @@ async fn publish_one_by_one(conn: &Connection, queue: &str, from: u32, n: u32) {
     }
 }
 
+/// Wait (up to 10 s) until `leader` has purged its log past `index`: a follower that held only
+/// up to `index` can then catch up only from a snapshot.
+async fn purged_past(leader: &Node, index: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while leader.status().unwrap()["purged_index"]
+        .as_u64()
+        .unwrap_or(0)
+        <= index
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the log was not reclaimed past the stopped follower"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up_from_one() {
     // Heartbeats of 150 ms: a leader that loses its lease on a loaded 2-core machine (an
@@ -774,18 +791,7 @@ async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up
         .unwrap();
     c.nodes[behind].kill();
     publish_one_by_one(&conn, "snap", 2000, 120).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.nodes[leader].status().unwrap()["purged_index"]
-        .as_u64()
-        .unwrap_or(0)
-        <= matched
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the log was not reclaimed past the stopped follower"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    purged_past(&c.nodes[leader], matched).await;
     c.restart(behind);
     replicated(&c, "snap", 315, Duration::from_secs(20)).await;
     // After a failover the new leader serves exactly those.
@@ -1229,18 +1235,7 @@ async fn users_made_through_the_api_are_replicated_and_survive_a_restart() {
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "pad").await;
     publish_one_by_one(&conn, "pad", 0, 120).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.nodes[leader].status().unwrap()["purged_index"]
-        .as_u64()
-        .unwrap_or(0)
-        <= matched
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the log was not reclaimed past the stopped follower"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    purged_past(&c.nodes[leader], matched).await;
     c.restart(f);
     replicated(&c, "pad", 120, Duration::from_secs(20)).await;
     until(&c, false);
