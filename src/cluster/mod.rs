@@ -152,6 +152,9 @@ pub struct Replication {
     held: parking_lot::Mutex<Vec<ConnId>>,
     /// When a leader's AppendEntries was last accepted here.
     pub heard: Arc<net::Heard>,
+    /// A grown single node whose data is not yet in a snapshot (`first_snapshot`): no node
+    /// may be added until it is.
+    pub grow_pending: AtomicBool,
 }
 
 impl std::fmt::Debug for Replication {
@@ -181,6 +184,7 @@ impl Replication {
             committed: AtomicU64::new(0),
             held: Default::default(),
             heard: Default::default(),
+            grow_pending: AtomicBool::new(false),
         }
     }
 
@@ -316,29 +320,29 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         .clone()
         .ok_or_else(|| anyhow::anyhow!("not a cluster node"))?;
     let dir = shared.config.data_dir.join("raft");
-    let fresh_log = !dir.exists();
     let log = log_store::LogStore::open(&dir)
         .with_context(|| format!("opening the Raft log in {}", dir.display()))?;
     let _ = rep.log.set(log.clone());
-    let incarnation = match log.get_meta_json::<u64>("incarnation")? {
-        Some(i) => i,
-        None => {
-            let i = rand::random::<u64>() | 1;
-            log.put_meta_json("incarnation", &i, true)?;
-            i
-        }
+    // A log is new until its incarnation is recorded, the last step of a first start before
+    // Raft runs. A log with an incarnation but no entry ever (stopped before the cluster
+    // formed, or waiting to be added) has not joined either: it forms the cluster, or grows,
+    // or waits, as on a first start.
+    let known_incarnation = log.get_meta_json::<u64>("incarnation")?;
+    let never_joined = known_incarnation.is_none() || {
+        use openraft::storage::RaftLogStorage;
+        let state = log.clone().get_log_state().await?;
+        state.last_log_id.is_none() && state.last_purged_log_id.is_none()
     };
-    rep.incarnation.store(incarnation, Ordering::Release);
     // No amnesiac votes: a node that was a member and lost its log must not vote as if it had
     // never acknowledged anything (the members' record of it says), and a new log never forms
     // a cluster of its own beside one that exists.
-    let formed_elsewhere = fresh_log && refuse_if_wiped(&rep, &cfg).await?;
+    let formed_elsewhere = never_joined && refuse_if_wiped(&rep, &cfg, known_incarnation).await?;
     // A data folder that ran as a single node: it grows into a cluster alone (its data becomes
     // the first snapshot; the others are added), never into one whose other members know
     // nothing of its data.
     let has_data = shared.query(|b| b.has_users() || !b.queue_views(None).is_empty());
-    let grows = fresh_log && has_data;
-    if grows && (cfg.peers.len() > 1 || formed_elsewhere) {
+    let grows_now = never_joined && has_data;
+    if grows_now && (cfg.peers.len() > 1 || formed_elsewhere) {
         anyhow::bail!(
             "{} holds the data of a single node: start it as a cluster of one (--peers listing \
              only node {}) to grow it into a cluster, then add the other nodes with `warren ctl \
@@ -347,6 +351,24 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
             rep.me
         );
     }
+    // Until its first snapshot is made and the log purged behind it, a grown node's log lacks
+    // its data: a node added then would be sent that log, not the data. The mark is durable,
+    // so a node stopped before the snapshot makes it when it starts again (its log is then not
+    // new), and no node is added while it stands (`add_node`).
+    if grows_now {
+        log.put_meta_json(GROW_PENDING, &true, true)?;
+    }
+    let incarnation = match known_incarnation {
+        Some(i) => i,
+        None => {
+            let i = rand::random::<u64>() | 1;
+            log.put_meta_json("incarnation", &i, true)?;
+            i
+        }
+    };
+    rep.incarnation.store(incarnation, Ordering::Release);
+    let grows = log.get_meta_json::<bool>(GROW_PENDING)?.unwrap_or(false);
+    rep.grow_pending.store(grows, Ordering::Release);
     let sm = sm::StateMachine::new(shared.clone(), rep.clone())?;
     let config = openraft::Config {
         cluster_name: rep.cluster_id.clone(),
@@ -408,7 +430,7 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
             rep.me,
             rep.info.raft
         );
-    } else if fresh_log && !raft.is_initialized().await.unwrap_or(false) {
+    } else if never_joined && !raft.is_initialized().await.unwrap_or(false) {
         // Every node started with the same list initializes with the same membership: the
         // first that wins an election leads, the others' attempts fail harmlessly.
         let members: BTreeMap<NodeId, NodeInfo> = cfg
@@ -454,13 +476,14 @@ fn lease_ms(heartbeat_ms: u64) -> u64 {
 pub const SNAPSHOT_EVERY: u64 = 20_000;
 
 /// Refuse to start a node whose Raft log is new while a reachable member still records it with
-/// an incarnation (it ran before, and its data was lost). A node that never ran (a late first
-/// start) has none recorded and goes on.
+/// an incarnation other than `own`, the one its log holds (it ran before, and its data was
+/// lost). A node that never ran (a late first start) has none recorded and goes on.
 /// Returns whether a reachable member belongs to a formed cluster (a new node then waits to be
 /// added instead of forming one).
 async fn refuse_if_wiped(
     rep: &Replication,
     cfg: &crate::config::ClusterConfig,
+    own: Option<u64>,
 ) -> anyhow::Result<bool> {
     let mut formed = false;
     for (id, addr) in cfg.peers.iter().filter(|(id, _)| **id != rep.me) {
@@ -471,7 +494,7 @@ async fn refuse_if_wiped(
             continue;
         };
         formed |= initialized;
-        if let Some(k) = known.filter(|k| k.incarnation != 0) {
+        if let Some(k) = known.filter(|k| k.incarnation != 0 && Some(k.incarnation) != own) {
             anyhow::bail!(
                 "node {me} is a member of cluster {cluster} (node {id} records it, incarnation \
                  {inc:x}) but its Raft log in its data folder is new: its data was lost, and a \
@@ -487,6 +510,9 @@ async fn refuse_if_wiped(
     }
     Ok(formed)
 }
+
+/// The log store's mark of a grown single node whose first snapshot is not made yet.
+const GROW_PENDING: &str = "grow_pending";
 
 /// A grown single node, once it leads: a snapshot of its data and the log purged behind it, so
 /// the nodes added later get the data (as a snapshot) and not a log that lacks it.
@@ -511,6 +537,26 @@ async fn first_snapshot(rep: Arc<Replication>, raft: Raft) {
         error!(error = %e, "purging the log behind the first snapshot failed");
         return;
     }
+    // The purge is asked for, not yet done: wait for it (a restart before it would purge
+    // nothing, and the mark makes it ask again).
+    loop {
+        if metrics
+            .borrow_and_update()
+            .purged
+            .is_some_and(|p| p.index >= index)
+        {
+            break;
+        }
+        if metrics.changed().await.is_err() {
+            return;
+        }
+    }
+    let Some(log) = rep.log.get() else { return };
+    if let Err(e) = log.put_meta_json(GROW_PENDING, &false, true) {
+        error!(error = %e, "recording the first snapshot of a grown node failed");
+        return;
+    }
+    rep.grow_pending.store(false, Ordering::Release);
     info!(
         index,
         "a single node's data is now the cluster's first snapshot"

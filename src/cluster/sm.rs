@@ -15,7 +15,9 @@
 //! one moment between two applies while applies go on, sent and received as files, installed
 //! group by group. An install takes several store writes, so it is marked first (`installing`
 //! beside the snapshot): a node that stops part way installs the same snapshot again when it
-//! starts, before anything else, so it never runs on half of one.
+//! starts, before anything else, so it never runs on half of one. The received file is
+//! `incoming` until installed and only then `current`: `current` is never ahead of the store
+//! (a node restarted with it ahead would tell openraft of a snapshot its state lacks).
 
 // openraft's StorageError is what its traits return (224 bytes): not ours to box.
 #![allow(clippy::result_large_err)]
@@ -57,6 +59,10 @@ pub struct StateMachine {
 const CURRENT: &str = "current";
 /// Present while an install is part way (see the module doc).
 const INSTALLING: &str = "installing";
+/// A received snapshot being installed: it becomes `current` once installed, so `current` is
+/// never ahead of the store (a node stopped part way installs `incoming` again at start, or
+/// `current` if it stopped after the rename).
+const INCOMING: &str = "incoming";
 /// Prefixes of files being built or received (removed at start: never complete).
 pub const BUILDING: &str = "building-";
 pub const RECEIVING: &str = "receiving-";
@@ -99,10 +105,15 @@ impl StateMachine {
             writing: None,
             files: Default::default(),
         };
+        let incoming = sm.snapshots.join(INCOMING);
         if sm.snapshots.join(INSTALLING).exists() {
             // Stopped part way through an install: the store holds part of it. Again, whole.
             warn!("the last snapshot install did not finish: installing it again");
-            let current = sm.snapshots.join(CURRENT);
+            let current = if incoming.exists() {
+                incoming
+            } else {
+                sm.snapshots.join(CURRENT)
+            };
             let meta = sm.install_file(&current).map_err(|e| {
                 anyhow::anyhow!(
                     "{} marks an unfinished snapshot install, and installing {} again failed: \
@@ -116,12 +127,16 @@ impl StateMachine {
                 log_id: meta.last_log_id,
                 membership: meta.last_membership.clone(),
             };
+        } else if incoming.exists() {
+            // Received, never begun: the store is as it was.
+            std::fs::remove_file(&incoming)?;
         }
         Ok(sm)
     }
 
     /// Replace the store's replicated content with the snapshot file at `path` (marked
-    /// `installing` until done), then rebuild the broker from the store. Blocking.
+    /// `installing` until done), then rebuild the broker from the store, and make the file the
+    /// current snapshot. Blocking; the caller holds `files`.
     fn install_file(&self, path: &Path) -> Result<SnapshotMeta, StorageError> {
         let store = self
             .shared
@@ -173,6 +188,11 @@ impl StateMachine {
             ))
         })?;
         drop(broker);
+        let current = self.snapshots.join(CURRENT);
+        if path != current {
+            std::fs::rename(path, &current).map_err(io_err)?;
+            snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
+        }
         std::fs::remove_file(&marker).map_err(io_err)?;
         snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
         info!(snapshot = %meta.snapshot_id, groups, "installed a snapshot");
@@ -481,8 +501,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }))
     }
 
-    /// Replace the state with the snapshot's (`install_file`): the received file becomes the
-    /// current snapshot first, so an install cut short is done again from it at start.
+    /// Replace the state with the snapshot's (`install_file`): the received file is kept as
+    /// `incoming` first, so an install cut short is done again from it at start, and becomes
+    /// the current snapshot once installed.
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta,
@@ -505,13 +526,13 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         }
         let installed = tokio::task::block_in_place(|| {
             let _files = self.files.lock();
-            let current = self.snapshots.join(CURRENT);
-            std::fs::rename(&path, &current).map_err(io_err)?;
+            let incoming = self.snapshots.join(INCOMING);
+            std::fs::rename(&path, &incoming).map_err(io_err)?;
             if let Some(r) = received {
                 let _ = r.keep();
             }
             snapshot::sync_dir(&self.snapshots).map_err(io_err)?;
-            self.install_file(&current)
+            self.install_file(&incoming)
         })?;
         self.applied = Applied {
             log_id: installed.last_log_id,

@@ -225,6 +225,13 @@ impl Session {
             d.auth_mechanism = mechanism.to_string();
             d.client_properties = m.client_properties.clone();
         }
+        // A deletion of the user between the check and the line above closed the connections
+        // it found with the user's name, and this one had none yet: looked at again, now that
+        // it has (the deletion removes the user before it looks).
+        if self.shared.query(|b| b.user(&user).is_none()) {
+            info!(user, peer = %self.peer, "login refused: the user was deleted");
+            return Err(refused());
+        }
         self.user = user;
         self.phase = Phase::AwaitTuneOk;
         let config = &self.shared.config;

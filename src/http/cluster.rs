@@ -130,6 +130,18 @@ pub(super) async fn add_node(
     else {
         return super::bad_request("this node runs without a cluster (start it with --node-id)");
     };
+    // A grown single node's log lacks its data until its first snapshot: a node added now
+    // would get the log without the data.
+    if shared
+        .replication
+        .as_ref()
+        .is_some_and(|r| r.grow_pending.load(std::sync::atomic::Ordering::Acquire))
+    {
+        return change_failed(
+            "this node grew from a single node and its data is not yet in its first snapshot \
+             (made once it leads): try again in a moment",
+        );
+    }
     let info = crate::cluster::types::NodeInfo {
         raft: raft_addr.to_string(),
         ..Default::default()

@@ -923,9 +923,64 @@ async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes()
     replicated(&c, "old", 56, WAIT).await;
 }
 
+/// Issue 15: a grown single node stopped before its first snapshot (its log then lacks its
+/// data) makes that snapshot when it starts again, so the nodes added afterwards still get the
+/// data (until it is made, no node can be added: `add_node` answers so, and the test retries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grown_node_stopped_before_its_first_snapshot_makes_it_when_it_starts_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("n1");
+    let single = super::common::spawn_binary(&data, &[]).await;
+    let conn = connect(&single.url).await;
+    declare(&conn, "old").await;
+    publish_confirmed(&conn, "old", 0, 50).await;
+    drop(conn);
+    drop(single);
+
+    // Stopped after its log was made, before its first snapshot: here by a file where its
+    // snapshot folder goes, so it stops at start, once its log exists.
+    let blocker = data.join("raft-snapshot");
+    std::fs::write(&blocker, b"not a folder").unwrap();
+    let mut c = Cluster::start_in(dir, 1, &[], true);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = c.nodes[0].child.as_mut().unwrap().try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "it started without its snapshot folder"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success());
+    assert!(data.join("raft").exists());
+    std::fs::remove_file(&blocker).unwrap();
+    c.restart(0);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    publish_confirmed(&conn, "old", 50, 5).await;
+    let extra = c.start_extra();
+    let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "2", &raft]);
+        if ok {
+            break;
+        }
+        assert!(
+            out.contains("first snapshot") && Instant::now() < deadline,
+            "{out}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    replicated(&c, "old", 55, Duration::from_secs(20)).await;
+}
+
 /// Issue 15: a snapshot larger than a Raft frame (64 MiB) reaches a new node in chunks, as a
 /// file; a node stopped part way through an install (its `installing` mark left) installs the
-/// same snapshot again when it starts; one whose snapshot file is damaged then refuses to
+/// same snapshot again when it starts (from the received file, which becomes the current
+/// snapshot only once installed); one whose snapshot file is damaged then refuses to
 /// start, saying why, rather than run on part of a snapshot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_install_is_redone() {
@@ -996,9 +1051,11 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     let size = std::fs::metadata(snapshots.join("current")).unwrap().len();
     assert!(size > 64 << 20, "the snapshot file has {size} bytes");
 
-    // Stopped part way through an install: done again at start.
+    // Stopped part way through an install: done again at start, from the received file
+    // (`incoming`, made `current` only once installed).
     c.nodes[extra].kill();
     std::fs::write(snapshots.join("installing"), b"x").unwrap();
+    std::fs::rename(snapshots.join("current"), snapshots.join("incoming")).unwrap();
     c.restart(extra);
     assert!(
         c.nodes[extra]
@@ -1010,6 +1067,8 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     );
     replicated(&c, "big", 380, Duration::from_secs(60)).await;
     assert!(!snapshots.join("installing").exists());
+    assert!(!snapshots.join("incoming").exists());
+    assert!(snapshots.join("current").exists());
 
     // The same with a damaged snapshot file: refused, said so, nothing served.
     c.nodes[extra].kill();
