@@ -16,7 +16,7 @@ import urllib.request
 import pika
 import pytest
 
-from helpers import PASSWORD, USER, make_params, unique
+from helpers import PASSWORD, USER, make_params, open_connection, unique
 
 MANAGEMENT_URL = os.environ.get("MANAGEMENT_URL", "http://127.0.0.1:15672")
 
@@ -505,3 +505,91 @@ def test_deleting_a_user_closes_their_connections():
         if conn.is_open:
             conn.close()
         others.close()
+
+
+def put_vhost(name, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    return api("PUT", "/api/vhosts/" + q(name), data=data)[0]
+
+
+def vhost_connection(vhost, **overrides):
+    return pika.BlockingConnection(make_params(virtual_host=vhost, **overrides))
+
+
+def test_vhosts_are_created_changed_listed_and_deleted():
+    name = unique("vhost")
+    assert put_vhost(name, {"description": "first", "tags": "a,b"}) == 201
+    status, v, _ = api("GET", "/api/vhosts/" + q(name))
+    assert status == 200
+    assert v["name"] == name and v["description"] == "first" and v["tags"] == ["a", "b"]
+    assert v["metadata"] == {"description": "first", "tags": ["a", "b"]}
+    # Again: 204, and what the body leaves out becomes empty (RabbitMQ replaces both).
+    assert put_vhost(name, {"tags": ["c"]}) == 204
+    status, v, _ = api("GET", "/api/vhosts/" + q(name))
+    assert v["description"] == "" and v["tags"] == ["c"]
+    status, vhosts, _ = api("GET", "/api/vhosts")
+    assert status == 200 and {name, "/"} <= {x["name"] for x in vhosts}
+    assert api("PUT", "/api/vhosts/" + q(name), data=b"{nope")[0] == 400
+    # Creating and deleting vhosts is for administrators.
+    other = unique("manager")
+    assert put_user(other, {"password": "pw", "tags": "management"}) == 201
+    try:
+        for method in ("PUT", "DELETE"):
+            status, body, _ = api(method, "/api/vhosts/" + q(name), user=other, password="pw")
+            assert status == 401 and body["reason"] == "Not administrator user"
+    finally:
+        api("DELETE", "/api/users/" + q(other))
+    assert api("DELETE", "/api/vhosts/" + q(name))[0] == 204
+    assert api("DELETE", "/api/vhosts/" + q(name))[0] == 404
+    assert api("GET", "/api/vhosts/" + q(name))[0] == 404
+
+
+def test_a_vhost_keeps_its_own_names_and_its_deletion_takes_everything_in_it():
+    name = unique("vhost")
+    queue = unique("q")
+    assert put_vhost(name) == 201
+    conn = vhost_connection(name)
+    root = open_connection()
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare(queue=queue, durable=True)
+        for i in range(3):
+            ch.basic_publish("", queue, b"m%d" % i, pika.BasicProperties(delivery_mode=2))
+        # The same name in "/" is another queue (none there yet).
+        rch = root.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            rch.queue_declare(queue=queue, passive=True)
+        assert missing.value.reply_code == 404
+        status, body, _ = api("GET", "/api/queues/%s/%s" % (q(name), q(queue)))
+        assert status == 200 and body["vhost"] == name
+        # Deleted: its connections are closed (320, RabbitMQ's text), its queue is gone.
+        assert api("DELETE", "/api/vhosts/" + q(name))[0] == 204
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                conn.process_data_events(time_limit=0.2)
+        assert closed.value.reply_code == 320
+        assert "vhost '%s' is deleted" % name in closed.value.reply_text
+        assert api("GET", "/api/queues/%s/%s" % (q(name), q(queue)))[0] == 404
+        # A connection to it is refused as RabbitMQ refuses it.
+        # (pika reports a close during the handshake as a probable access denial.)
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as refused:
+            vhost_connection(name)
+        assert "(530) 'NOT_ALLOWED - vhost %s not found'" % name in str(refused.value)
+        # Made again, it is empty.
+        assert put_vhost(name) == 201
+        again = vhost_connection(name)
+        try:
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as gone:
+                again.channel().queue_declare(queue=queue, passive=True)
+            assert gone.value.reply_code == 404
+        finally:
+            again.close()
+        # Everyone else carried on.
+        root.channel().queue_declare(queue="", exclusive=True)
+    finally:
+        if conn.is_open:
+            conn.close()
+        root.close()
+        api("DELETE", "/api/vhosts/" + q(name))

@@ -571,7 +571,16 @@ impl Shared {
 /// live traffic uses, messages restored (they stay on disk; queues read them back a window at
 /// a time), every message marked redelivered, and every change journaled from then on.
 fn broker_from(recovered: &warren_storage::Recovered) -> anyhow::Result<(Broker, usize)> {
-    let mut broker = Broker::new();
+    // A store that records vhosts holds every one there is ("/" too, unless deleted).
+    let mut broker = if recovered
+        .ops
+        .iter()
+        .any(|op| matches!(op, warren_storage::Op::PutVhost { .. }))
+    {
+        Broker::without_vhosts()
+    } else {
+        Broker::new()
+    };
     // Replayed declarations of queues with x-expires count their lease from now.
     broker.set_clock(crate::clock::now_ms());
     let mut fx = Vec::new();
@@ -638,22 +647,30 @@ impl Shared {
     }
 }
 
-/// The ops that create `config.users` (administrators) when the broker has no user yet.
+/// The ops that create `config.users` (administrators) when the broker has no user yet, and
+/// record the default vhost "/" when no vhost is recorded yet (a fresh data folder, or one of
+/// a version that did not record vhosts, whose data is all in "/"), as RabbitMQ creates its
+/// default user and vhost only on a fresh database.
 pub(crate) fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
-    if broker.has_users() {
-        return Vec::new();
+    let mut ops = Vec::new();
+    if !broker.vhosts_recorded() {
+        ops.push(warren_storage::Op::PutVhost {
+            name: "/".into(),
+            description: "Default virtual host".into(),
+            tags: Vec::new(),
+        });
     }
-    config
-        .users
-        .iter()
-        .map(|(name, pass)| {
-            let salt: [u8; 4] = rand::random();
-            info!(user = %name, "creating the default user");
-            warren_storage::Op::PutUser {
-                name: name.clone(),
-                password_hash: crate::broker::users::hash_password(pass, salt),
-                tags: vec!["administrator".into()],
-            }
-        })
-        .collect()
+    if broker.has_users() {
+        return ops;
+    }
+    ops.extend(config.users.iter().map(|(name, pass)| {
+        let salt: [u8; 4] = rand::random();
+        info!(user = %name, "creating the default user");
+        warren_storage::Op::PutUser {
+            name: name.clone(),
+            password_hash: crate::broker::users::hash_password(pass, salt),
+            tags: vec!["administrator".into()],
+        }
+    }));
+    ops
 }

@@ -104,6 +104,7 @@ impl Broker {
                     | Op::Unbind { .. }
                     | Op::PutUser { .. }
                     | Op::DeleteUser { .. }
+                    | Op::PutVhost { .. }
             )
             && self.is_durable(op)
         {
@@ -306,6 +307,19 @@ impl Broker {
             Op::DeleteUser { name } => {
                 self.replicated.users.remove(name);
             }
+            Op::PutVhost {
+                name,
+                description,
+                tags,
+            } => {
+                self.add_vhost(name);
+                self.replicated.vhosts_recorded = true;
+                if let Some(v) = self.replicated.vhosts.get_mut(name) {
+                    v.description = description.clone();
+                    v.tags = tags.clone();
+                }
+            }
+            Op::DeleteVhost { name } => self.delete_vhost(name, op, fx)?,
         }
         Ok(())
     }
@@ -364,6 +378,51 @@ impl Broker {
             name: q.name.to_string(),
         };
         let _ = self.apply(&op, fx);
+    }
+
+    /// Remove a vhost (`Op::DeleteVhost`): its queues (with their messages; their consumers
+    /// are told) and its exchanges go as the cascades `DeleteQueue` and `DeleteExchange`
+    /// make, in name order (deterministic), then the vhost and its record. Its connections are
+    /// closed by whoever made the change.
+    fn delete_vhost(&mut self, name: &str, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        let Some(v) = self.replicated.vhosts.get(name) else {
+            return Ok(());
+        };
+        let mut queues: Vec<String> = v.queues.keys().cloned().collect();
+        queues.sort();
+        let mut exchanges: Vec<String> = v
+            .exchanges
+            .keys()
+            .filter(|x| !x.is_empty())
+            .cloned()
+            .collect();
+        exchanges.sort();
+        for q in queues {
+            self.exec(
+                &Op::DeleteQueue {
+                    vhost: name.to_string(),
+                    name: q,
+                },
+                fx,
+            )?;
+        }
+        for x in exchanges {
+            // An auto-delete exchange may have gone with the queues already.
+            if self.vhost(name)?.exchanges.contains_key(&x) {
+                self.exec(
+                    &Op::DeleteExchange {
+                        vhost: name.to_string(),
+                        name: x,
+                    },
+                    fx,
+                )?;
+            }
+        }
+        self.replicated.vhosts.remove(name);
+        if self.log.enabled {
+            self.log.write(op.clone());
+        }
+        Ok(())
     }
 
     /// Remove a queue: its bindings, its consumers (who are told), its messages. Only `exec`

@@ -172,6 +172,17 @@ struct ConnState {
 struct VHost {
     exchanges: HashMap<String, Exchange>,
     queues: HashMap<String, QueueId>,
+    /// Metadata (`Op::PutVhost`).
+    description: String,
+    tags: Vec<String>,
+}
+
+/// A vhost as the management API shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VhostInfo {
+    pub name: String,
+    pub description: String,
+    pub tags: Vec<String>,
 }
 
 /// Numbers a queue.declare-ok reports.
@@ -240,6 +251,8 @@ struct Replicated {
     next_message_id: u64,
     /// Users by name (sorted: what lists them shows a stable order).
     users: std::collections::BTreeMap<String, users::User>,
+    /// A vhost was made by an op (`vhosts_recorded`).
+    vhosts_recorded: bool,
 }
 
 /// Leader-local state: what the broker serving clients keeps for them.
@@ -415,6 +428,7 @@ impl Broker {
                 next_queue_id: 1,
                 next_message_id: 1,
                 users: Default::default(),
+                vhosts_recorded: false,
             },
             local: Local {
                 conns: FxHashMap::default(),
@@ -463,8 +477,41 @@ impl Broker {
             VHost {
                 exchanges,
                 queues: HashMap::new(),
+                description: String::new(),
+                tags: Vec::new(),
             },
         );
+    }
+
+    /// A broker without even the default vhost: for one rebuilt from a store that records its
+    /// vhosts (`Op::PutVhost`), where "/" exists only if recorded (it may have been deleted).
+    pub fn without_vhosts() -> Self {
+        let mut b = Self::new();
+        b.replicated.vhosts.clear();
+        b
+    }
+
+    /// Whether any vhost was made by an op (`Op::PutVhost`): a store that records none holds
+    /// data of a version before vhosts were recorded (all in "/"), or none at all, and the
+    /// node records "/" (`default vhost`).
+    pub fn vhosts_recorded(&self) -> bool {
+        self.replicated.vhosts_recorded
+    }
+
+    /// Every vhost, sorted by name.
+    pub fn vhost_infos(&self) -> Vec<VhostInfo> {
+        let mut out: Vec<VhostInfo> = self
+            .replicated
+            .vhosts
+            .iter()
+            .map(|(name, v)| VhostInfo {
+                name: name.clone(),
+                description: v.description.clone(),
+                tags: v.tags.clone(),
+            })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        out
     }
 
     /// Recovery is over. Every recovered message is marked redelivered: the store does not
@@ -656,7 +703,9 @@ impl Broker {
             | Op::Spill { .. }
             | Op::RemoveRange { .. }
             | Op::PutUser { .. }
-            | Op::DeleteUser { .. } => true,
+            | Op::DeleteUser { .. }
+            | Op::PutVhost { .. }
+            | Op::DeleteVhost { .. } => true,
         }
     }
 

@@ -980,6 +980,8 @@ mod replay_property {
         Remove(usize, Vec<usize>),
         RemoveRange(usize, usize, usize),
         Purge(usize),
+        PutVhost(u8),
+        DeleteVhost,
     }
 
     fn pick() -> impl Strategy<Value = Pick> {
@@ -1009,6 +1011,9 @@ mod replay_property {
                 .prop_map(|(q, ids)| Pick::Remove(q, ids)),
             (0..4usize, 0..40usize, 0..40usize).prop_map(|(q, a, b)| Pick::RemoveRange(q, a, b)),
             (0..4usize).prop_map(Pick::Purge),
+            // The vhost everything is in: deleted with all of it (the cascades), made again.
+            (0..2u8).prop_map(Pick::PutVhost),
+            Just(Pick::DeleteVhost),
         ]
     }
 
@@ -1132,6 +1137,12 @@ mod replay_property {
                     vhost: "/".into(),
                     queue: QUEUES[*q].into(),
                 },
+                Pick::PutVhost(d) => Op::PutVhost {
+                    name: "/".into(),
+                    description: format!("d{d}"),
+                    tags: vec![format!("t{d}")],
+                },
+                Pick::DeleteVhost => Op::DeleteVhost { name: "/".into() },
             })
             .collect()
     }
@@ -1164,7 +1175,8 @@ mod replay_property {
             let mut head = Broker::new();
             apply_all(&mut head, &ops[..split]);
             let snapshot = head.snapshot_ops().unwrap();
-            let mut restored = Broker::new();
+            // As a node rebuilds from a store that records its vhosts.
+            let mut restored = Broker::without_vhosts();
             apply_all(&mut restored, &snapshot);
             prop_assert_eq!(
                 &restored.replicated_view().unwrap(),

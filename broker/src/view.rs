@@ -12,6 +12,8 @@ use warren_storage::{BindingDest, Op};
 /// One durable definition or message, in a stable order (see `Broker::replicated_view`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ReplicatedView {
+    /// (name, description, tags) of every vhost.
+    pub vhosts: Vec<(String, String, Vec<String>)>,
     /// (vhost, name, kind, auto_delete, internal, arguments) of durable exchanges.
     pub exchanges: Vec<(String, String, String, bool, bool, Bytes)>,
     /// (vhost, name, auto_delete, arguments) of stored queues, with their persistent ready
@@ -50,6 +52,11 @@ impl Broker {
     /// store: for tests and checks, not for a hot path.
     pub fn replicated_view(&self) -> Result<ReplicatedView, warren_storage::StoreError> {
         let mut view = ReplicatedView {
+            vhosts: self
+                .vhost_infos()
+                .into_iter()
+                .map(|v| (v.name, v.description, v.tags))
+                .collect(),
             exchanges: Vec::new(),
             queues: Vec::new(),
             bindings: Vec::new(),
@@ -132,6 +139,13 @@ impl Broker {
         let mut bindings = Vec::new();
         let mut vhosts: Vec<&String> = self.replicated.vhosts.keys().collect();
         vhosts.sort();
+        for v in self.vhost_infos() {
+            ops.push(Op::PutVhost {
+                name: v.name,
+                description: v.description,
+                tags: v.tags,
+            });
+        }
         for vname in &vhosts {
             let v = &self.replicated.vhosts[*vname];
             let mut exchanges: Vec<_> = v

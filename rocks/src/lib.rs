@@ -58,8 +58,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use warren_storage::codec::{
     decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
-    QueueRecord, UserRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX, SHARED_TAG,
-    USER_PREFIX,
+    QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX,
+    SHARED_TAG, USER_PREFIX, VHOST_PREFIX,
 };
 use warren_storage::op::{BindingDest, Op};
 use warren_storage::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -948,6 +948,24 @@ impl View<'_> {
                     b.logged(self)?
                         .delete_cf(&meta, entity_key(USER_PREFIX, "", name));
                 }
+                Op::PutVhost {
+                    name,
+                    description,
+                    tags,
+                } => {
+                    let rec = VhostRecord {
+                        description: description.clone(),
+                        tags: tags.clone(),
+                    };
+                    b.logged(self)?
+                        .put_cf(&meta, entity_key(VHOST_PREFIX, "", name), rec.encode());
+                }
+                // The vhost's queues and exchanges come as ops of their own (the apply's
+                // cascade): only the record goes here.
+                Op::DeleteVhost { name } => {
+                    b.logged(self)?
+                        .delete_cf(&meta, entity_key(VHOST_PREFIX, "", name));
+                }
             }
         }
         if let Some(a) = applied {
@@ -994,6 +1012,10 @@ impl View<'_> {
         for (_, _, name, v) in self.meta_entities(USER_PREFIX)? {
             let u = UserRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_user(&name, &u));
+        }
+        for (_, _, name, v) in self.meta_entities(VHOST_PREFIX)? {
+            let x = VhostRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_vhost(&name, &x));
         }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
@@ -1171,6 +1193,10 @@ impl View<'_> {
         for (_, name, v) in entities(USER_PREFIX)? {
             let u = UserRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_user(&name, &u));
+        }
+        for (_, name, v) in entities(VHOST_PREFIX)? {
+            let x = VhostRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_vhost(&name, &x));
         }
         for (vhost, name, v) in entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;

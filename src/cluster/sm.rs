@@ -218,6 +218,8 @@ impl warren_storage::SnapshotSink for Definitions<'_> {
                 }
                 // A user deleted since (and so not in the snapshot) must go too.
                 Op::PutUser { name, .. } => self.0.push(Op::DeleteUser { name }),
+                // Likewise a vhost (its queues and exchanges are deleted above).
+                Op::PutVhost { name, .. } => self.0.push(Op::DeleteVhost { name }),
                 Op::Enqueue { .. } => return Ok(false),
                 _ => {}
             }

@@ -320,12 +320,26 @@ impl Session {
             d.vhost = vhost.clone();
             d.conn = conn;
         }
+        self.conn_vhost_still_there(&vhost)?;
         self.vhost = vhost;
         self.phase = Phase::Open;
         info!(conn, user = %self.user, vhost = %self.vhost, "connection open");
         self.outbox
             .method(0, &AMQPClass::Connection(M::OpenOk(connection::OpenOk {})));
         Ok(Next::Continue)
+    }
+
+    /// A deletion of the vhost between the check in `open` and the line that names it in the
+    /// registry closed the connections it found there, and this one was not yet among them:
+    /// looked at again now that it is (the deletion removes the vhost before it looks).
+    fn conn_vhost_still_there(&self, vhost: &str) -> Result<(), AmqpError> {
+        if self.shared.query(|b| b.has_vhost(vhost)) {
+            return Ok(());
+        }
+        Err(
+            AmqpError::connection(ReplyCode::NotAllowed, format!("vhost {vhost} not found"))
+                .on(10, 40),
+        )
     }
 
     /// connection.blocked ("low on memory" or "low on disk", RabbitMQ's reasons) or

@@ -102,7 +102,12 @@ fn router(shared: Arc<Shared>) -> Router {
                 .delete(users::delete_user),
         )
         .route("/api/vhosts", get(vhosts))
-        .route("/api/vhosts/{vhost}", get(vhost))
+        .route(
+            "/api/vhosts/{vhost}",
+            get(vhost)
+                .put(vhosts::put_vhost)
+                .delete(vhosts::delete_vhost),
+        )
         .route("/api/connections", get(connections))
         .route(
             "/api/connections/{name}",

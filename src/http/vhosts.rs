@@ -1,24 +1,153 @@
-//! `/api/vhosts` and `/api/vhosts/{vhost}`.
+//! `/api/vhosts`: list, show, create or change (PUT) and delete vhosts, as RabbitMQ's API does.
+//! Creating and deleting are for administrators. A vhost is changed through the core
+//! (`Op::PutVhost`, `Op::DeleteVhost`), so the change is durable (and replicated in a cluster)
+//! before the answer; a deletion takes the vhost's queues, messages and exchanges with it and
+//! closes its connections.
 
-use super::{not_found, Api};
-use axum::extract::{Path, State};
+use super::json::body_object;
+use super::users::{is_administrator, not_administrator};
+use super::{bad_request, change, no_content, node_name, not_found, Api, Login};
+use crate::broker::VhostInfo;
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use warren_protocol::reply::{AmqpError, ReplyCode};
+use warren_storage::Op;
 
-fn vhost_json(name: &str) -> Value {
-    json!({"name": name, "description": "", "tags": [], "tracing": false})
+/// RabbitMQ 3.10's fields (its message counters appear only once a vhost has statistics).
+fn vhost_json(v: &VhostInfo) -> Value {
+    let mut cluster_state = Map::new();
+    cluster_state.insert(node_name(), json!("running"));
+    json!({
+        "name": v.name,
+        "description": v.description,
+        "tags": v.tags,
+        "default_queue_type": "undefined",
+        "metadata": {"description": v.description, "tags": v.tags},
+        "tracing": false,
+        "cluster_state": cluster_state,
+    })
 }
 
 pub(super) async fn vhosts(State(shared): Api) -> Response {
-    let names = shared.query(|b| b.vhost_names());
-    Json(Value::Array(names.iter().map(|n| vhost_json(n)).collect())).into_response()
+    let list = shared.query(|b| b.vhost_infos());
+    Json(Value::Array(list.iter().map(vhost_json).collect())).into_response()
 }
 
 pub(super) async fn vhost(State(shared): Api, Path(name): Path<String>) -> Response {
-    if shared.query(|b| b.has_vhost(&name)) {
-        Json(vhost_json(&name)).into_response()
-    } else {
-        not_found()
+    let found = shared.query(|b| b.vhost_infos().into_iter().find(|v| v.name == name));
+    match found {
+        Some(v) => Json(vhost_json(&v)).into_response(),
+        None => not_found(),
     }
+}
+
+/// A vhost's `tags`, as RabbitMQ takes them: a comma-separated string or a list of strings
+/// (none when absent).
+fn tags(m: &Map<String, Value>) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut add = |t: &str| {
+        let t = t.trim();
+        if !t.is_empty() && !out.iter().any(|o| o == t) {
+            out.push(t.to_string());
+        }
+    };
+    match m.get("tags") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => s.split(',').for_each(&mut add),
+        Some(Value::Array(a)) => {
+            for t in a {
+                match t {
+                    Value::String(s) => add(s),
+                    _ => return Err("tags must be strings".into()),
+                }
+            }
+        }
+        Some(_) => return Err("tags must be a string or a list of strings".into()),
+    }
+    Ok(out)
+}
+
+/// PUT /api/vhosts/{name}: create (201) or change the description and tags (204); what the
+/// body leaves out becomes empty, as in RabbitMQ.
+pub(super) async fn put_vhost(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    let description = match m.get("description") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return bad_request("description must be a string"),
+    };
+    let tags = match tags(&m) {
+        Ok(t) => t,
+        Err(reason) => return bad_request(&reason),
+    };
+    if name.is_empty() {
+        return bad_request("a vhost needs a name");
+    }
+    let op = Op::PutVhost {
+        name: name.clone(),
+        description,
+        tags,
+    };
+    let result = change(&shared, |b, fx| {
+        let existed = b.has_vhost(&name);
+        b.apply(&op, fx).map(|()| existed)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/vhosts/{name}: the vhost goes with everything in it, and its connections are
+/// closed (320, RabbitMQ's text).
+pub(super) async fn delete_vhost(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(name): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let op = Op::DeleteVhost { name: name.clone() };
+    let result = change(&shared, |b, fx| {
+        if !b.has_vhost(&name) {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        // With no vhost left, the next start (or the next leader) would make "/" again, as on
+        // an empty data folder: the last one stays.
+        if b.vhost_names().len() == 1 {
+            return Err(AmqpError::connection(
+                ReplyCode::PreconditionFailed,
+                "the last vhost cannot be deleted",
+            ));
+        }
+        b.apply(&op, fx)
+    })
+    .await;
+    if result.is_ok() {
+        // Opened before the deletion: they go now. One opening meanwhile looks again once
+        // it is listed here (`conn_vhost_still_there`).
+        for c in shared.registry.list() {
+            if c.details.lock().vhost == name {
+                c.close(format!("vhost '{name}' is deleted"));
+            }
+        }
+    }
+    no_content(result)
 }

@@ -154,6 +154,42 @@ impl UserRecord {
     }
 }
 
+/// A stored vhost: its metadata (the vhost's exchanges and queues are records of their own).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct VhostRecord {
+    pub description: String,
+    pub tags: Vec<String>,
+}
+
+impl VhostRecord {
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(VERSION);
+        put_str(&mut b, self.description.as_bytes());
+        b.put_u32(self.tags.len() as u32);
+        for t in &self.tags {
+            put_str(&mut b, t.as_bytes());
+        }
+        b.freeze()
+    }
+
+    pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
+        check_version(&mut b)?;
+        let description = get_string(&mut b)?;
+        if b.remaining() < 4 {
+            return Err(DecodeError("truncated tags"));
+        }
+        let n = b.get_u32() as usize;
+        if n > b.remaining() / 4 {
+            return Err(DecodeError("bad tag count"));
+        }
+        let tags = (0..n)
+            .map(|_| get_string(&mut b))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(VhostRecord { description, tags })
+    }
+}
+
 /// A binding, encoded whole as a key (its value is empty).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BindingKey {
@@ -170,6 +206,8 @@ pub const QUEUE_PREFIX: u8 = b'Q';
 pub const BINDING_PREFIX: u8 = b'B';
 /// Users: `U` + an empty vhost + the user name (users are not per vhost).
 pub const USER_PREFIX: u8 = b'U';
+/// Vhosts: `V` + an empty vhost + the vhost's name.
+pub const VHOST_PREFIX: u8 = b'V';
 
 /// `X`/`Q` + vhost + name.
 pub fn entity_key(prefix: u8, vhost: &str, name: &str) -> Bytes {

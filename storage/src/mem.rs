@@ -1,7 +1,9 @@
 //! A store in memory: the reference the RocksDB store is checked against, and the store of a
 //! broker that keeps nothing across restarts.
 
-use crate::codec::{BindingKey, ExchangeRecord, MessageRecord, QueueRecord, UserRecord};
+use crate::codec::{
+    BindingKey, ExchangeRecord, MessageRecord, QueueRecord, UserRecord, VhostRecord,
+};
 use crate::op::{BindingDest, Op};
 use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
 use std::collections::{BTreeMap, BTreeSet};
@@ -13,6 +15,7 @@ struct State {
     queues: BTreeMap<(String, String), QueueRecord>,
     bindings: BTreeSet<BindingKey>,
     users: BTreeMap<String, UserRecord>,
+    vhosts: BTreeMap<String, VhostRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
     /// `Store::write_applied`'s position.
@@ -199,6 +202,24 @@ impl MemStore {
                 Op::DeleteUser { name } => {
                     s.users.remove(name);
                 }
+                Op::PutVhost {
+                    name,
+                    description,
+                    tags,
+                } => {
+                    s.vhosts.insert(
+                        name.clone(),
+                        VhostRecord {
+                            description: description.clone(),
+                            tags: tags.clone(),
+                        },
+                    );
+                }
+                // The vhost's queues and exchanges come as ops of their own (the apply's
+                // cascade): only the record goes here.
+                Op::DeleteVhost { name } => {
+                    s.vhosts.remove(name);
+                }
             }
         }
         if let Some(a) = applied {
@@ -346,11 +367,14 @@ pub fn summarize(entries: impl Iterator<Item = (u64, u64, bool)>) -> Vec<LevelSu
     levels
 }
 
-/// Every definition as the op that makes it: users, exchanges, queues, then bindings.
+/// Every definition as the op that makes it: users, vhosts, exchanges, queues, then bindings.
 fn definition_ops(s: &State) -> Vec<Op> {
     let mut ops = Vec::new();
     for (name, u) in &s.users {
         ops.push(crate::op::put_user(name, u));
+    }
+    for (name, v) in &s.vhosts {
+        ops.push(crate::op::put_vhost(name, v));
     }
     for ((vhost, name), x) in &s.exchanges {
         ops.push(crate::op::declare_exchange(vhost, name, x));

@@ -131,6 +131,17 @@ pub enum Op {
     DeleteUser {
         name: String,
     },
+    /// Create a vhost (with the predeclared `amq.*` exchanges) or replace its metadata.
+    PutVhost {
+        name: String,
+        description: String,
+        tags: Vec<String>,
+    },
+    /// Delete a vhost and everything in it: its queues (with their messages) and exchanges go
+    /// as cascades derived in the apply; its connections are closed by whoever made the change.
+    DeleteVhost {
+        name: String,
+    },
 }
 
 impl Op {
@@ -150,6 +161,7 @@ impl Op {
             | Op::RemoveRange { vhost, .. } => vhost,
             // Users belong to no vhost.
             Op::PutUser { .. } | Op::DeleteUser { .. } => "",
+            Op::PutVhost { name, .. } | Op::DeleteVhost { name } => name,
         }
     }
 }
@@ -252,6 +264,15 @@ pub fn put_user(name: &str, u: &crate::codec::UserRecord) -> Op {
         name: name.to_string(),
         password_hash: u.password_hash.clone(),
         tags: u.tags.clone(),
+    }
+}
+
+/// The op that recreates a stored vhost (for store implementations, at recovery).
+pub fn put_vhost(name: &str, v: &crate::codec::VhostRecord) -> Op {
+    Op::PutVhost {
+        name: name.to_string(),
+        description: v.description.clone(),
+        tags: v.tags.clone(),
     }
 }
 

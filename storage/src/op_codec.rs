@@ -42,6 +42,8 @@
 //! | 12  | `PutUser`         | name, password_hash, tags (count + string each)                     |
 //! | 13  | `Remove` with sizes | vhost, queue, count, then (key u64, size u64) each                |
 //! | 14  | `DeleteUser`      | name                                                                |
+//! | 15  | `PutVhost`        | name, description, tags (count + string each)                       |
+//! | 16  | `DeleteVhost`     | name                                                                |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -78,13 +80,15 @@ pub const TAG_PUT_USER: u8 = 12;
 /// `Remove` whose `sizes` are known (one per key); tag 8 is one whose `sizes` are not.
 pub const TAG_REMOVE_SIZED: u8 = 13;
 pub const TAG_DELETE_USER: u8 = 14;
+pub const TAG_PUT_VHOST: u8 = 15;
+pub const TAG_DELETE_VHOST: u8 = 16;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 14] = [
+const ALL_TAGS: [u8; 16] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -99,6 +103,8 @@ const ALL_TAGS: [u8; 14] = [
     TAG_PUT_USER,
     TAG_REMOVE_SIZED,
     TAG_DELETE_USER,
+    TAG_PUT_VHOST,
+    TAG_DELETE_VHOST,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -137,6 +143,8 @@ pub fn tag(op: &Op) -> u8 {
         Op::RemoveRange { .. } => TAG_REMOVE_RANGE,
         Op::PutUser { .. } => TAG_PUT_USER,
         Op::DeleteUser { .. } => TAG_DELETE_USER,
+        Op::PutVhost { .. } => TAG_PUT_VHOST,
+        Op::DeleteVhost { .. } => TAG_DELETE_VHOST,
     }
 }
 
@@ -355,6 +363,19 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             }
         }
         Op::DeleteUser { name } => put_bytes(b, name.as_bytes())?,
+        Op::PutVhost {
+            name,
+            description,
+            tags,
+        } => {
+            put_bytes(b, name.as_bytes())?;
+            put_bytes(b, description.as_bytes())?;
+            put_len(b, tags.len())?;
+            for t in tags {
+                put_bytes(b, t.as_bytes())?;
+            }
+        }
+        Op::DeleteVhost { name } => put_bytes(b, name.as_bytes())?,
     }
     Ok(())
 }
@@ -603,6 +624,23 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             }
         }
         TAG_DELETE_USER => Op::DeleteUser {
+            name: get_string(b)?,
+        },
+        TAG_PUT_VHOST => {
+            let name = get_string(b)?;
+            let description = get_string(b)?;
+            let n = get_count(b, 4)?;
+            let mut tags = Vec::with_capacity(n);
+            for _ in 0..n {
+                tags.push(get_string(b)?);
+            }
+            Op::PutVhost {
+                name,
+                description,
+                tags,
+            }
+        }
+        TAG_DELETE_VHOST => Op::DeleteVhost {
             name: get_string(b)?,
         },
         _ => return Err(DecodeError("unknown op tag")),
@@ -878,6 +916,23 @@ mod tests {
     }
 
     #[test]
+    fn golden_put_vhost() {
+        golden(
+            Op::PutVhost {
+                name: "v1".into(),
+                description: "d".into(),
+                tags: vec!["a".into()],
+            },
+            "0f | 00000002 7631 | 00000001 64 | 00000001 00000001 61",
+        );
+    }
+
+    #[test]
+    fn golden_delete_vhost() {
+        golden(Op::DeleteVhost { name: "v1".into() }, "10 | 00000002 7631");
+    }
+
+    #[test]
     fn golden_empty_entry() {
         assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
@@ -973,6 +1028,12 @@ mod tests {
                 sizes: vec![300],
             },
             Op::DeleteUser { name: "u".into() },
+            Op::PutVhost {
+                name: "v".into(),
+                description: "".into(),
+                tags: vec![],
+            },
+            Op::DeleteVhost { name: "v".into() },
         ]
     }
 
@@ -981,7 +1042,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=14).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=16).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1055,7 +1116,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 15, 255] {
+        for t in [0u8, 17, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1338,6 +1399,14 @@ mod tests {
                     }
                 ),
                 string().prop_map(|name| Op::DeleteUser { name }),
+                (string(), string(), vec(string(), 0..4)).prop_map(|(name, description, tags)| {
+                    Op::PutVhost {
+                        name,
+                        description,
+                        tags,
+                    }
+                }),
+                string().prop_map(|name| Op::DeleteVhost { name }),
             ]
         }
 

@@ -89,6 +89,7 @@ pub fn conformance(open: &dyn Fn() -> Box<dyn Store>) {
     messages_survive_in_order(open);
     levels_spills_and_ranges(open);
     users_survive(open);
+    vhosts_survive(open);
     applied_position_survives(open);
     snapshot_rebuilds_what_a_replica_needs(open);
     snapshot_streams_one_moment_in_groups(open);
@@ -249,6 +250,42 @@ fn users_survive(open: &dyn Fn() -> Box<dyn Store>) {
     let expected = [user("alice", "h2"), user("bob", "h3")].map(|op| format!("{op:?}"));
     assert_eq!(users, expected);
     assert!(matches!(ops.first(), Some(Op::PutUser { .. })));
+}
+
+/// Vhosts come back before any exchange or queue (a vhost must exist before what is in it),
+/// with their latest metadata; a deleted one does not come back.
+fn vhosts_survive(open: &dyn Fn() -> Box<dyn Store>) {
+    let vhost = |name: &str, description: &str| Op::PutVhost {
+        name: name.into(),
+        description: description.into(),
+        tags: vec!["t".into()],
+    };
+    let s = open();
+    s.write(
+        &[
+            vhost("shop", "d1"),
+            queue("vq"),
+            vhost("shop", "d2"),
+            vhost("old", ""),
+        ],
+        true,
+    )
+    .unwrap();
+    s.write(&[Op::DeleteVhost { name: "old".into() }], true)
+        .unwrap();
+    drop(s);
+    let ops = open().recover().unwrap().ops;
+    let vhosts: Vec<String> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::PutVhost { .. }))
+        .map(|op| format!("{op:?}"))
+        .collect();
+    assert_eq!(vhosts, [format!("{:?}", vhost("shop", "d2"))]);
+    let first_definition = ops
+        .iter()
+        .position(|op| matches!(op, Op::DeclareQueue { .. } | Op::DeclareExchange { .. }));
+    let last_vhost = ops.iter().rposition(|op| matches!(op, Op::PutVhost { .. }));
+    assert!(last_vhost < first_definition, "{ops:?}");
 }
 
 fn definitions_survive(open: &dyn Fn() -> Box<dyn Store>) {

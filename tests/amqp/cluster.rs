@@ -1109,34 +1109,7 @@ fn http_call(
     body: Option<&str>,
     headers: &[(&str, &str)],
 ) -> (u16, String) {
-    let uri = format!("http://127.0.0.1:{}{path}", n.http);
-    let mut req = ureq::http::Request::builder()
-        .method(method)
-        .uri(&uri)
-        .header("content-type", "application/json");
-    if !headers
-        .iter()
-        .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
-    {
-        req = req.header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
-    }
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let req = req.body(body.unwrap_or("").to_string()).unwrap();
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .allow_non_standard_methods(true)
-        .build()
-        .into();
-    // Status 0: no answer (a node not listening yet, or gone), with the error as the body.
-    let mut r = match agent.run(req) {
-        Ok(r) => r,
-        Err(e) => return (0, e.to_string()),
-    };
-    let status = r.status().as_u16();
-    (status, r.body_mut().read_to_string().unwrap_or_default())
+    super::common::http_request(n.http, method, path, body, headers)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1311,4 +1284,113 @@ async fn users_made_through_the_api_are_replicated_and_survive_a_restart() {
     let (status, body) = http_call(&c.nodes[leader], "DELETE", "/api/users/guest", None, &[]);
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("the last user cannot be deleted"), "{body}");
+}
+
+/// Issue 14 point 3: a vhost made through the API is replicated with what is put in it; its
+/// deletion takes its queues and messages on every node (also on one that was down and
+/// catches up from a snapshot), closes its connections, leaves the same names in "/" alone,
+/// and lasts across a restart of every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
+    let mut c = Cluster::start_with(3, &["--raft-snapshot-every", "40"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let f = (leader + 1) % 3;
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/vhosts/shop",
+        Some(r#"{"description":"the shop","tags":"a,b"}"#),
+        &[],
+    );
+    assert_eq!(status, 201, "{body}");
+    // Each node answers from its own replicated state (a request marked as forwarded already).
+    let local = [("x-warren-proxied-by", "9")];
+    let count = |n: &Node, vhost: &str, queue: &str| -> Option<u64> {
+        let (status, body) = http_call(
+            n,
+            "GET",
+            &format!("/api/queues/{vhost}/{queue}"),
+            None,
+            &local,
+        );
+        if status != 200 {
+            return None;
+        }
+        serde_json::from_str::<serde_json::Value>(&body).ok()?["messages"].as_u64()
+    };
+    let until = |c: &Cluster, vhost: &str, queue: &str, want: Option<u64>| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let on: Vec<Option<u64>> = c
+                .nodes
+                .iter()
+                .filter(|n| n.answers())
+                .map(|n| count(n, vhost, queue))
+                .collect();
+            if on.iter().all(|&h| h == want) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{vhost}/{queue} on each node: {on:?}, not {want:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let shop_url = format!("amqp://guest:guest@127.0.0.1:{}/shop", c.nodes[leader].amqp);
+    let shop = connect(&shop_url).await;
+    declare(&shop, "orders").await;
+    publish_confirmed(&shop, "orders", 0, 20).await;
+    // The same queue name in "/" is another queue.
+    let root = connect(&c.nodes[leader].url()).await;
+    declare(&root, "orders").await;
+    publish_confirmed(&root, "orders", 0, 5).await;
+    until(&c, "shop", "orders", Some(20));
+    until(&c, "%2f", "orders", Some(5));
+    let (status, body) = http_call(&c.nodes[f], "GET", "/api/vhosts/shop", None, &local);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("the shop"), "{body}");
+
+    // Deleted while a follower is down; the log moves on past a snapshot and is reclaimed, so
+    // the follower catches up from a snapshot. (Idle: what it applied is all its log holds.)
+    let matched = c.nodes[f].status().unwrap()["applied_index"]
+        .as_u64()
+        .unwrap();
+    c.nodes[f].kill();
+    let (status, body) = http_call(&c.nodes[leader], "DELETE", "/api/vhosts/shop", None, &[]);
+    assert_eq!(status, 204, "{body}");
+    let deadline = Instant::now() + WAIT;
+    while shop.status().connected() {
+        assert!(
+            Instant::now() < deadline,
+            "the vhost's connection stays open"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    declare(&root, "pad").await;
+    publish_one_by_one(&root, "pad", 0, 120).await;
+    purged_past(&c.nodes[leader], matched).await;
+    c.restart(f);
+    replicated(&c, "pad", 120, Duration::from_secs(20)).await;
+    until(&c, "shop", "orders", None);
+    until(&c, "%2f", "orders", Some(5));
+    for n in &c.nodes {
+        let (status, _) = http_call(n, "GET", "/api/vhosts/shop", None, &local);
+        assert_eq!(status, 404, "the vhost is still on node {}", n.id);
+    }
+    assert!(
+        Connection::connect(&shop_url, ConnectionProperties::default())
+            .await
+            .is_err(),
+        "a deleted vhost opened"
+    );
+
+    // Across a restart of every node: still gone, "/" as it was.
+    c.restart_all();
+    let leader = c.leader(Duration::from_secs(20)).await;
+    until(&c, "shop", "orders", None);
+    until(&c, "%2f", "orders", Some(5));
+    let (status, body) = http_call(&c.nodes[leader], "GET", "/api/vhosts", None, &[]);
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains("shop") && body.contains("\"/\""), "{body}");
 }

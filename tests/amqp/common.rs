@@ -449,19 +449,17 @@ fn binary_command(
         }
         [] => std::process::Command::new(env!("CARGO_BIN_EXE_warren")),
     };
-    cmd.args([
-        "server",
-        "--management-listen",
-        "none",
-        "--amqp-listen",
-        &format!("127.0.0.1:{port}"),
-    ])
-    .args(extra)
-    .arg("--data-dir")
-    .arg(data)
-    .env("WARREN_LOG", "error")
-    .stdout(std::process::Stdio::null())
-    .stderr(std::process::Stdio::inherit());
+    cmd.args(["server", "--amqp-listen", &format!("127.0.0.1:{port}")]);
+    // No HTTP API unless the test asks for one.
+    if !extra.contains(&"--management-listen") {
+        cmd.args(["--management-listen", "none"]);
+    }
+    cmd.args(extra)
+        .arg("--data-dir")
+        .arg(data)
+        .env("WARREN_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit());
     (cmd, port)
 }
 
@@ -545,4 +543,43 @@ pub fn stop_binary(b: &mut Binary) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// `method path` with a JSON body on the management API at 127.0.0.1:`port` as guest (unless
+/// `headers` authorize otherwise), with extra headers: the status and the body.
+pub fn http_request(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
+    let uri = format!("http://127.0.0.1:{port}{path}");
+    let mut req = ureq::http::Request::builder()
+        .method(method)
+        .uri(&uri)
+        .header("content-type", "application/json");
+    if !headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+    {
+        req = req.header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(body.unwrap_or("").to_string()).unwrap();
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(std::time::Duration::from_secs(10)))
+        .allow_non_standard_methods(true)
+        .build()
+        .into();
+    // Status 0: no answer (a node not listening yet, or gone), with the error as the body.
+    let mut r = match agent.run(req) {
+        Ok(r) => r,
+        Err(e) => return (0, e.to_string()),
+    };
+    let status = r.status().as_u16();
+    (status, r.body_mut().read_to_string().unwrap_or_default())
 }

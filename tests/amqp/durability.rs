@@ -682,3 +682,101 @@ async fn a_durable_queue_with_x_expires_still_expires_after_a_restart() {
         .expect_err("the queue outlived its x-expires after a restart");
     assert_eq!(reply_code(&err), Some(404));
 }
+
+/// Issue 14 point 3: vhosts made through the API, and deletions (of "/" too, which RabbitMQ
+/// allows), survive a restart; a deleted vhost's durable queue and messages are gone with it,
+/// and another vhost's stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vhosts_and_their_deletion_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let http = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let listen = format!("127.0.0.1:{http}");
+    let args = ["--management-listen", listen.as_str()];
+    let call = |method: &str, path: &str| http_request(http, method, path, None, &[]);
+    let until_api = || {
+        let deadline = std::time::Instant::now() + WAIT;
+        while call("GET", "/api/vhosts").0 != 200 {
+            assert!(std::time::Instant::now() < deadline, "no HTTP API");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let broker = spawn_binary(&data, &args).await;
+    until_api();
+    for v in ["kept", "gone"] {
+        assert_eq!(call("PUT", &format!("/api/vhosts/{v}")).0, 201);
+    }
+    let vhost_url = |v: &str| broker.url.replace("%2f", v).replace("%2F", v);
+    for (v, n) in [("kept", 3), ("gone", 2)] {
+        let conn = lapin::Connection::connect(&vhost_url(v), Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        ch.queue_declare(
+            "q".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        for i in 0..n {
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    "q".into(),
+                    BasicPublishOptions::default(),
+                    format!("{v}{i}").as_bytes(),
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+        conn.close(200, "bye".into()).await.unwrap();
+    }
+    assert_eq!(call("DELETE", "/api/vhosts/gone").0, 204);
+    assert_eq!(call("DELETE", "/api/vhosts/%2F").0, 204);
+    let url = broker.url.clone();
+    drop(broker);
+
+    let broker = spawn_binary(&data, &args).await;
+    until_api();
+    let (status, body) = call("GET", "/api/vhosts");
+    assert_eq!(status, 200);
+    let names: Vec<String> = serde_json::from_str::<Vec<serde_json::Value>>(&body)
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["kept"]);
+    assert!(
+        lapin::Connection::connect(&url, Default::default())
+            .await
+            .is_err(),
+        "the deleted default vhost opened"
+    );
+    let (status, body) = call("GET", "/api/queues/kept/q");
+    assert_eq!(status, 200, "{body}");
+    let q: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(q["messages"], 3, "{body}");
+    // Made again, "gone" is empty.
+    assert_eq!(call("PUT", "/api/vhosts/gone").0, 201);
+    assert_eq!(call("GET", "/api/queues/gone/q").0, 404);
+    // The last vhost stays (with none, the next start would make "/" again).
+    assert_eq!(call("DELETE", "/api/vhosts/gone").0, 204);
+    let (status, body) = call("DELETE", "/api/vhosts/kept");
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("the last vhost cannot be deleted"), "{body}");
+    drop(broker);
+}
