@@ -141,7 +141,7 @@ NOT_YET = pytest.mark.skipif(WARREN, reason="endpoint not served by Warren yet")
     "/api/overview", "/api/connections", pytest.param("/api/channels", marks=NOT_YET),
     "/api/queues", "/api/queues/%2F", "/api/exchanges", "/api/exchanges/%2F", "/api/bindings",
     "/api/vhosts", "/api/vhosts/%2F", "/api/whoami", pytest.param("/api/nodes", marks=NOT_YET),
-    pytest.param("/api/users", marks=NOT_YET), pytest.param("/api/permissions", marks=NOT_YET),
+    "/api/users", "/api/permissions",
     "/api/exchanges/%2F/amq.direct",
 ])
 def test_api_trailing_slash_is_ignored(path):

@@ -593,3 +593,161 @@ def test_a_vhost_keeps_its_own_names_and_its_deletion_takes_everything_in_it():
             conn.close()
         root.close()
         api("DELETE", "/api/vhosts/" + q(name))
+
+
+def put_permissions(vhost, user, configure, write, read):
+    body = {"configure": configure, "write": write, "read": read}
+    return api("PUT", "/api/permissions/%s/%s" % (q(vhost), q(user)),
+               data=json.dumps(body).encode())[0]
+
+
+def test_permissions_are_set_listed_and_cleared():
+    name = unique("perm")
+    assert put_user(name, {"password": "pw", "tags": ""}) == 201
+    try:
+        path = "/api/permissions/%2F/" + q(name)
+        assert api("GET", path)[0] == 404
+        # Without permissions on a vhost, a user may not open it (530, RabbitMQ's text).
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as refused:
+            pika.BlockingConnection(make_params(credentials=pika.PlainCredentials(name, "pw")))
+        assert ("(530) \"NOT_ALLOWED - access to vhost '/' refused for user '%s'\"" % name
+                in str(refused.value) or
+                "(530) 'NOT_ALLOWED - access to vhost '/' refused for user '%s''" % name
+                in str(refused.value)), str(refused.value)
+        assert put_permissions("/", name, ".*", ".*", ".*") == 201
+        assert put_permissions("/", name, "^a", "", "^c") == 204
+        status, p, _ = api("GET", path)
+        assert status == 200
+        assert p == {"user": name, "vhost": "/", "configure": "^a", "write": "", "read": "^c"}
+        assert name in [x["user"] for x in api("GET", "/api/permissions")[1]]
+        assert [x["vhost"] for x in api("GET", "/api/users/%s/permissions" % q(name))[1]] == ["/"]
+        assert name in [x["user"] for x in api("GET", "/api/vhosts/%2F/permissions")[1]]
+        # Refused as RabbitMQ refuses: a missing key, a bad expression, a missing vhost or user.
+        status, body, _ = api("PUT", path, data=json.dumps({"configure": ".*", "write": ".*"}).encode())
+        assert status == 400 and body["reason"] == "[{key_missing,read}]"
+        assert put_permissions("/", name, "(", ".*", ".*") == 400
+        assert put_permissions(unique("novhost"), name, ".*", ".*", ".*") == 400
+        assert put_permissions("/", unique("nouser"), ".*", ".*", ".*") == 400
+        assert amqp_login(name, "pw")
+        assert api("DELETE", path)[0] == 204
+        assert api("DELETE", path)[0] == 404
+        assert not amqp_login(name, "pw")
+    finally:
+        api("DELETE", "/api/users/" + q(name))
+
+
+def test_a_vhost_creator_gets_full_permissions_on_it():
+    name = unique("vhost")
+    assert put_vhost(name) == 201
+    try:
+        status, p, _ = api("GET", "/api/permissions/%s/%s" % (q(name), q(USER)))
+        assert status == 200 and (p["configure"], p["write"], p["read"]) == (".*", ".*", ".*")
+    finally:
+        api("DELETE", "/api/vhosts/" + q(name))
+
+
+def test_methods_are_checked_against_permissions_as_rabbitmq_checks_them():
+    """RabbitMQ's access-control table, with its 403 texts (a channel error each; the
+    connection carries on). User u may configure, write and read names starting with u-."""
+    user = unique("u")
+    prefix = user + "-"
+    other = unique("other")
+    assert put_user(user, {"password": "pw", "tags": ""}) == 201
+    assert put_permissions("/", user, "^" + prefix, "^" + prefix, "^" + prefix) == 201
+    admin = open_connection()
+    conn = pika.BlockingConnection(make_params(credentials=pika.PlainCredentials(user, "pw")))
+    mine, mine_x = prefix + "q", prefix + "x"
+    try:
+        admin.channel().queue_declare(queue=other)
+
+        def refused(op, kind, name):
+            ch = conn.channel()
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+                op(ch)
+                # An asynchronous refusal (basic.publish) comes with the next round trip.
+                ch.basic_qos(prefetch_count=1)
+            assert e.value.reply_code == 403, e.value
+            assert e.value.reply_text == (
+                "ACCESS_REFUSED - access to %s '%s' in vhost '/' refused for user '%s'"
+                % (kind, name, user))
+
+        refused(lambda ch: ch.queue_declare(queue=other), "queue", other)
+        refused(lambda ch: ch.exchange_declare(exchange=other + "-x"), "exchange", other + "-x")
+        refused(lambda ch: ch.basic_consume(queue=other, on_message_callback=print), "queue", other)
+        refused(lambda ch: ch.basic_get(queue=other), "queue", other)
+        refused(lambda ch: ch.queue_purge(queue=other), "queue", other)
+        refused(lambda ch: ch.queue_delete(queue=other), "queue", other)
+        refused(lambda ch: ch.basic_publish("amq.direct", "k", b"x"), "exchange", "amq.direct")
+        # The default exchange is checked as amq.default.
+        refused(lambda ch: ch.basic_publish("", mine, b"x"), "exchange", "amq.default")
+        # A server-named queue: its name is checked.
+        ch = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.queue_declare(queue="")
+        assert e.value.reply_code == 403 and "access to queue 'amq.gen-" in e.value.reply_text
+        # Passive declares are not checked.
+        ok = conn.channel()
+        assert ok.queue_declare(queue=other, passive=True).method.queue == other
+        ok.exchange_declare(exchange="amq.direct", passive=True)
+        # Allowed: their own queue and exchange, bindings between them, publish, get, purge.
+        ok.queue_declare(queue=mine)
+        ok.exchange_declare(exchange=mine_x)
+        ok.queue_bind(queue=mine, exchange=mine_x, routing_key="k")
+        ok.confirm_delivery()
+        ok.basic_publish(mine_x, "k", b"hello")
+        assert ok.basic_get(queue=mine, auto_ack=True)[2] == b"hello"
+        ok.queue_purge(queue=mine)
+        # queue.bind: the queue (write) first, then the exchange (read).
+        refused(lambda ch: ch.queue_bind(queue=other, exchange="amq.fanout"), "queue", other)
+        refused(lambda ch: ch.queue_bind(queue=mine, exchange="amq.fanout"), "exchange", "amq.fanout")
+        # exchange.bind: the destination (write), then the source (read).
+        refused(lambda ch: ch.exchange_bind(destination=mine_x, source="amq.fanout"),
+                "exchange", "amq.fanout")
+        # A dead-letter exchange: writing to it is checked at the declare.
+        refused(lambda ch: ch.queue_declare(queue=prefix + "dl",
+                                            arguments={"x-dead-letter-exchange": "amq.fanout"}),
+                "exchange", "amq.fanout")
+        # A missing exchange they may write to is 404; one they may not, 403.
+        ch = conn.channel()
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.basic_publish(prefix + "missing", "k", b"x")
+            ch.basic_qos(prefetch_count=1)
+        assert e.value.reply_code == 404
+        refused(lambda ch: ch.basic_publish("missing", "k", b"x"), "exchange", "missing")
+        # Permissions changed while connected apply at the next method.
+        assert put_permissions("/", user, ".*", ".*", ".*") == 204
+        conn.channel().queue_declare(queue=other, passive=False)
+        assert conn.is_open
+        ok.queue_delete(queue=mine)
+        ok.exchange_delete(exchange=mine_x)
+    finally:
+        if conn.is_open:
+            conn.close()
+        ach = admin.channel()
+        ach.queue_delete(queue=other)
+        admin.close()
+        api("DELETE", "/api/users/" + q(user))
+
+
+def test_an_impersonator_may_publish_in_another_users_name():
+    for tag, accepted in (("impersonator", True), ("management", False)):
+        user = unique("imp")
+        assert put_user(user, {"password": "pw", "tags": tag}) == 201
+        assert put_permissions("/", user, ".*", ".*", ".*") == 201
+        conn = pika.BlockingConnection(make_params(credentials=pika.PlainCredentials(user, "pw")))
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            queue = ch.queue_declare(queue="", exclusive=True).method.queue
+            props = pika.BasicProperties(user_id="someone-else")
+            if accepted:
+                ch.basic_publish("", queue, b"x", props)
+                assert ch.basic_get(queue=queue, auto_ack=True)[1].user_id == "someone-else"
+            else:
+                with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+                    ch.basic_publish("", queue, b"x", props)
+                assert e.value.reply_code == 406
+        finally:
+            if conn.is_open:
+                conn.close()
+            api("DELETE", "/api/users/" + q(user))

@@ -258,7 +258,7 @@ impl Shared {
     pub fn new(config: Config) -> Arc<Self> {
         let mut broker = Broker::new();
         let mut fx = Vec::new();
-        for op in default_users(&broker, &config) {
+        for op in default_definitions(&broker, &config) {
             let _ = broker.apply(&op, &mut fx);
         }
         let connection_max = config_connection_max(&config);
@@ -316,7 +316,7 @@ impl Shared {
         // client can log in. (A cluster node leaves that to its first leader: users are
         // replicated like any definition.)
         let defaults = if config.cluster.is_none() {
-            default_users(&broker, &config)
+            default_definitions(&broker, &config)
         } else {
             Vec::new()
         };
@@ -651,26 +651,42 @@ impl Shared {
 /// record the default vhost "/" when no vhost is recorded yet (a fresh data folder, or one of
 /// a version that did not record vhosts, whose data is all in "/"), as RabbitMQ creates its
 /// default user and vhost only on a fresh database.
-pub(crate) fn default_users(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
+///
+/// Users get full permissions on "/" with it (as RabbitMQ gives its default user): the
+/// default users, and on a data folder of a version before vhosts and permissions were
+/// recorded, every user it has (they could all use "/" then).
+pub fn default_definitions(broker: &Broker, config: &Config) -> Vec<warren_storage::Op> {
+    use warren_storage::Op;
     let mut ops = Vec::new();
+    let mut granted: Vec<String> = Vec::new();
     if !broker.vhosts_recorded() {
-        ops.push(warren_storage::Op::PutVhost {
+        ops.push(Op::PutVhost {
             name: "/".into(),
             description: "Default virtual host".into(),
             tags: Vec::new(),
         });
+        granted.extend(broker.users().into_iter().map(|(name, _)| name));
     }
-    if broker.has_users() {
-        return ops;
-    }
-    ops.extend(config.users.iter().map(|(name, pass)| {
-        let salt: [u8; 4] = rand::random();
-        info!(user = %name, "creating the default user");
-        warren_storage::Op::PutUser {
-            name: name.clone(),
-            password_hash: crate::broker::users::hash_password(pass, salt),
-            tags: vec!["administrator".into()],
+    if !broker.has_users() {
+        for (name, pass) in &config.users {
+            let salt: [u8; 4] = rand::random();
+            info!(user = %name, "creating the default user");
+            ops.push(Op::PutUser {
+                name: name.clone(),
+                password_hash: crate::broker::users::hash_password(pass, salt),
+                tags: vec!["administrator".into()],
+            });
+            granted.push(name.clone());
         }
-    }));
+    }
+    if !broker.vhosts_recorded() || broker.has_vhost("/") {
+        ops.extend(granted.into_iter().map(|user| Op::SetPermissions {
+            user,
+            vhost: "/".into(),
+            configure: ".*".into(),
+            write: ".*".into(),
+            read: ".*".into(),
+        }));
+    }
     ops
 }

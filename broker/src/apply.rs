@@ -306,6 +306,8 @@ impl Broker {
             }
             Op::DeleteUser { name } => {
                 self.replicated.users.remove(name);
+                // Their permissions go with them (derived, in order).
+                self.clear_permissions(|u, _| u == name);
             }
             Op::PutVhost {
                 name,
@@ -320,6 +322,31 @@ impl Broker {
                 }
             }
             Op::DeleteVhost { name } => self.delete_vhost(name, op, fx)?,
+            Op::SetPermissions {
+                user,
+                vhost,
+                configure,
+                write,
+                read,
+            } => {
+                if !self.replicated.users.contains_key(user) || !self.has_vhost(vhost) {
+                    return Err(AmqpError::connection(
+                        warren_protocol::ReplyCode::NotFound,
+                        "vhost_or_user_not_found",
+                    ));
+                }
+                self.replicated.permissions.insert(
+                    (user.clone(), vhost.clone()),
+                    Arc::new(permissions::Permissions::new(configure, write, read)),
+                );
+                self.local.permissions_generation += 1;
+                if self.log.enabled {
+                    self.log.write(op.clone());
+                }
+            }
+            Op::ClearPermissions { user, vhost } => {
+                self.clear_permissions(|u, v| u == user && v == vhost);
+            }
         }
         Ok(())
     }
@@ -380,6 +407,27 @@ impl Broker {
         let _ = self.apply(&op, fx);
     }
 
+    /// Remove the permissions `which(user, vhost)` selects, each with its store write (a
+    /// `ClearPermissions` root, or the cascade of a user's or vhost's deletion).
+    fn clear_permissions(&mut self, which: impl Fn(&str, &str) -> bool) {
+        let gone: Vec<(String, String)> = self
+            .replicated
+            .permissions
+            .keys()
+            .filter(|(u, v)| which(u, v))
+            .cloned()
+            .collect();
+        for (user, vhost) in gone {
+            self.replicated
+                .permissions
+                .remove(&(user.clone(), vhost.clone()));
+            if self.log.enabled {
+                self.log.write(Op::ClearPermissions { user, vhost });
+            }
+        }
+        self.local.permissions_generation += 1;
+    }
+
     /// Remove a vhost (`Op::DeleteVhost`): its queues (with their messages; their consumers
     /// are told) and its exchanges go as the cascades `DeleteQueue` and `DeleteExchange`
     /// make, in name order (deterministic), then the vhost and its record. Its connections are
@@ -419,6 +467,7 @@ impl Broker {
             }
         }
         self.replicated.vhosts.remove(name);
+        self.clear_permissions(|_, v| v == name);
         if self.log.enabled {
             self.log.write(op.clone());
         }

@@ -15,6 +15,7 @@ pub mod deadletter;
 pub mod exchange;
 pub mod headers;
 pub mod log_limit;
+pub mod permissions;
 pub mod queue;
 pub mod topic;
 pub mod users;
@@ -253,6 +254,8 @@ struct Replicated {
     users: std::collections::BTreeMap<String, users::User>,
     /// A vhost was made by an op (`vhosts_recorded`).
     vhosts_recorded: bool,
+    /// Permissions by (user, vhost) (sorted: cascades remove them in a stable order).
+    permissions: std::collections::BTreeMap<(String, String), Arc<permissions::Permissions>>,
 }
 
 /// Leader-local state: what the broker serving clients keeps for them.
@@ -275,6 +278,11 @@ struct Local {
     expirable: std::collections::BTreeSet<QueueId>,
     /// Direct reply-to addresses (`amq.rabbitmq.reply-to.<suffix>`) → the channel they reach.
     reply_to: HashMap<String, (ConnId, u16)>,
+    /// Counts changes of permissions (and of the users and vhosts they name): a connection
+    /// that keeps a user's permissions looks them up again when it moved.
+    permissions_generation: u64,
+    /// The name the next server-named queue gets (`server_queue_name`).
+    server_name: Option<String>,
 }
 
 /// The pseudo-queue of RabbitMQ's direct reply-to.
@@ -429,6 +437,7 @@ impl Broker {
                 next_message_id: 1,
                 users: Default::default(),
                 vhosts_recorded: false,
+                permissions: Default::default(),
             },
             local: Local {
                 conns: FxHashMap::default(),
@@ -440,6 +449,8 @@ impl Broker {
                 dirty: Vec::new(),
                 expirable: Default::default(),
                 reply_to: HashMap::new(),
+                permissions_generation: 0,
+                server_name: None,
             },
             log: Default::default(),
         };
@@ -496,6 +507,37 @@ impl Broker {
     /// node records "/" (`default vhost`).
     pub fn vhosts_recorded(&self) -> bool {
         self.replicated.vhosts_recorded
+    }
+
+    /// A user's permissions in a vhost (None: they may not use it).
+    pub fn permissions(&self, user: &str, vhost: &str) -> Option<Arc<permissions::Permissions>> {
+        self.replicated
+            .permissions
+            .get(&(user.to_string(), vhost.to_string()))
+            .cloned()
+    }
+
+    /// Every (user, vhost, permissions), sorted by user then vhost.
+    pub fn permission_list(&self) -> Vec<(String, String, Arc<permissions::Permissions>)> {
+        self.replicated
+            .permissions
+            .iter()
+            .map(|((u, v), p)| (u.clone(), v.clone(), p.clone()))
+            .collect()
+    }
+
+    /// The name the next queue.declare with an empty name gets: chosen before the declare, so
+    /// the caller can check the permission to configure it (RabbitMQ checks the name it made).
+    pub fn server_queue_name(&mut self) -> String {
+        self.local
+            .server_name
+            .get_or_insert_with(|| random_name("amq.gen-"))
+            .clone()
+    }
+
+    /// See `Local::permissions_generation`.
+    pub fn permissions_generation(&self) -> u64 {
+        self.local.permissions_generation
     }
 
     /// Every vhost, sorted by name.
@@ -705,7 +747,9 @@ impl Broker {
             | Op::PutUser { .. }
             | Op::DeleteUser { .. }
             | Op::PutVhost { .. }
-            | Op::DeleteVhost { .. } => true,
+            | Op::DeleteVhost { .. }
+            | Op::SetPermissions { .. }
+            | Op::ClearPermissions { .. } => true,
         }
     }
 
@@ -1380,7 +1424,11 @@ impl Broker {
             return Ok(self.info(id));
         }
         if d.name.is_empty() {
-            d.name = random_name("amq.gen-");
+            d.name = self
+                .local
+                .server_name
+                .take()
+                .unwrap_or_else(|| random_name("amq.gen-"));
         } else if d.name.starts_with("amq.") {
             return Err(AmqpError::access_refused(format!(
                 "queue name '{}' contains reserved prefix 'amq.*'",

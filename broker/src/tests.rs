@@ -982,6 +982,10 @@ mod replay_property {
         Purge(usize),
         PutVhost(u8),
         DeleteVhost,
+        PutUser,
+        DeleteUser,
+        SetPermissions(u8),
+        ClearPermissions,
     }
 
     fn pick() -> impl Strategy<Value = Pick> {
@@ -1014,6 +1018,11 @@ mod replay_property {
             // The vhost everything is in: deleted with all of it (the cascades), made again.
             (0..2u8).prop_map(Pick::PutVhost),
             Just(Pick::DeleteVhost),
+            // A user and their permissions there (which go with the user or the vhost).
+            Just(Pick::PutUser),
+            Just(Pick::DeleteUser),
+            (0..2u8).prop_map(Pick::SetPermissions),
+            Just(Pick::ClearPermissions),
         ]
     }
 
@@ -1143,6 +1152,23 @@ mod replay_property {
                     tags: vec![format!("t{d}")],
                 },
                 Pick::DeleteVhost => Op::DeleteVhost { name: "/".into() },
+                Pick::PutUser => Op::PutUser {
+                    name: "u".into(),
+                    password_hash: "".into(),
+                    tags: vec![],
+                },
+                Pick::DeleteUser => Op::DeleteUser { name: "u".into() },
+                Pick::SetPermissions(p) => Op::SetPermissions {
+                    user: "u".into(),
+                    vhost: "/".into(),
+                    configure: format!("^c{p}"),
+                    write: ".*".into(),
+                    read: "".into(),
+                },
+                Pick::ClearPermissions => Op::ClearPermissions {
+                    user: "u".into(),
+                    vhost: "/".into(),
+                },
             })
             .collect()
     }

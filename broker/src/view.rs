@@ -14,6 +14,8 @@ use warren_storage::{BindingDest, Op};
 pub struct ReplicatedView {
     /// (name, description, tags) of every vhost.
     pub vhosts: Vec<(String, String, Vec<String>)>,
+    /// (user, vhost, configure, write, read) of every permission.
+    pub permissions: Vec<(String, String, String, String, String)>,
     /// (vhost, name, kind, auto_delete, internal, arguments) of durable exchanges.
     pub exchanges: Vec<(String, String, String, bool, bool, Bytes)>,
     /// (vhost, name, auto_delete, arguments) of stored queues, with their persistent ready
@@ -56,6 +58,11 @@ impl Broker {
                 .vhost_infos()
                 .into_iter()
                 .map(|v| (v.name, v.description, v.tags))
+                .collect(),
+            permissions: self
+                .permission_list()
+                .into_iter()
+                .map(|(u, v, p)| (u, v, p.configure.clone(), p.write.clone(), p.read.clone()))
                 .collect(),
             exchanges: Vec::new(),
             queues: Vec::new(),
@@ -208,6 +215,15 @@ impl Broker {
                 name: name.clone(),
                 password_hash: u.password_hash.clone(),
                 tags: u.tags.clone(),
+            });
+        }
+        for (user, vhost, p) in self.permission_list() {
+            ops.push(Op::SetPermissions {
+                user,
+                vhost,
+                configure: p.configure.clone(),
+                write: p.write.clone(),
+                read: p.read.clone(),
             });
         }
         for (_, q) in &queues {

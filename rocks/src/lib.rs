@@ -58,8 +58,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use warren_storage::codec::{
     decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
-    QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX, EXCHANGE_PREFIX, QUEUE_PREFIX,
-    SHARED_TAG, USER_PREFIX, VHOST_PREFIX,
+    PermissionRecord, QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX, EXCHANGE_PREFIX,
+    PERMISSION_PREFIX, QUEUE_PREFIX, SHARED_TAG, USER_PREFIX, VHOST_PREFIX,
 };
 use warren_storage::op::{BindingDest, Op};
 use warren_storage::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -966,6 +966,28 @@ impl View<'_> {
                     b.logged(self)?
                         .delete_cf(&meta, entity_key(VHOST_PREFIX, "", name));
                 }
+                Op::SetPermissions {
+                    user,
+                    vhost,
+                    configure,
+                    write,
+                    read,
+                } => {
+                    let rec = PermissionRecord {
+                        configure: configure.clone(),
+                        write: write.clone(),
+                        read: read.clone(),
+                    };
+                    b.logged(self)?.put_cf(
+                        &meta,
+                        entity_key(PERMISSION_PREFIX, vhost, user),
+                        rec.encode(),
+                    );
+                }
+                Op::ClearPermissions { user, vhost } => {
+                    b.logged(self)?
+                        .delete_cf(&meta, entity_key(PERMISSION_PREFIX, vhost, user));
+                }
             }
         }
         if let Some(a) = applied {
@@ -1016,6 +1038,10 @@ impl View<'_> {
         for (_, _, name, v) in self.meta_entities(VHOST_PREFIX)? {
             let x = VhostRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_vhost(&name, &x));
+        }
+        for (_, vhost, user, v) in self.meta_entities(PERMISSION_PREFIX)? {
+            let p = PermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::set_permissions(&vhost, &user, &p));
         }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
@@ -1197,6 +1223,10 @@ impl View<'_> {
         for (_, name, v) in entities(VHOST_PREFIX)? {
             let x = VhostRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_vhost(&name, &x));
+        }
+        for (vhost, user, v) in entities(PERMISSION_PREFIX)? {
+            let p = PermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::set_permissions(&vhost, &user, &p));
         }
         for (vhost, name, v) in entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;

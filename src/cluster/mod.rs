@@ -820,7 +820,7 @@ fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
     broker.mark_recovered();
     broker.set_clock(crate::clock::now_ms());
     let mut fx = Vec::new();
-    for op in crate::node::default_users(&broker, &shared.config) {
+    for op in crate::node::default_definitions(&broker, &shared.config) {
         if let Err(e) = broker.apply(&op, &mut fx) {
             error!(error = %e.text, "creating the default user");
         }

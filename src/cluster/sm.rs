@@ -220,6 +220,9 @@ impl warren_storage::SnapshotSink for Definitions<'_> {
                 Op::PutUser { name, .. } => self.0.push(Op::DeleteUser { name }),
                 // Likewise a vhost (its queues and exchanges are deleted above).
                 Op::PutVhost { name, .. } => self.0.push(Op::DeleteVhost { name }),
+                Op::SetPermissions { user, vhost, .. } => {
+                    self.0.push(Op::ClearPermissions { user, vhost })
+                }
                 Op::Enqueue { .. } => return Ok(false),
                 _ => {}
             }

@@ -1,6 +1,7 @@
 //! The protocol state of one connection: handshake, channels, and the one exhaustive dispatch
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
+use crate::broker::permissions::{Access, Permissions, Resource};
 use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::Done;
 use crate::node::{Caller, Shared};
@@ -153,6 +154,56 @@ pub struct Session {
     /// Body bytes received for contents not yet complete, across channels (an upper bound;
     /// see `check_unfinished`).
     pub(crate) unfinished: u64,
+    /// The user's permissions in the vhost, as last looked up.
+    pub(crate) grant: Grant,
+}
+
+/// The name permissions see for an exchange: the default exchange ("") is `amq.default`, as
+/// in RabbitMQ.
+pub(crate) fn exchange_or_default(name: &str) -> &str {
+    if name.is_empty() {
+        "amq.default"
+    } else {
+        name
+    }
+}
+
+/// A connection's copy of its user's permissions in its vhost, looked up again whenever the
+/// broker's permissions changed (so a change applies to open connections at their next
+/// method; RabbitMQ caches checks per channel). Checked inside the core call that makes the
+/// change, so the check and the change see the same state.
+#[derive(Debug, Default)]
+pub(crate) struct Grant(std::cell::RefCell<Option<(u64, Option<Arc<Permissions>>)>>);
+
+impl Grant {
+    /// Whether `user` may have `access` to the queue or exchange `name` in `vhost`, by
+    /// RabbitMQ's access-control table; else its 403 ACCESS_REFUSED (a channel error).
+    pub(crate) fn check(
+        &self,
+        b: &Broker,
+        user: &str,
+        vhost: &str,
+        access: Access,
+        resource: Resource,
+        name: &str,
+    ) -> Result<(), AmqpError> {
+        let generation = b.permissions_generation();
+        let mut cached = self.0.borrow_mut();
+        let perms = match &*cached {
+            Some((g, perms)) if *g == generation => perms.clone(),
+            _ => {
+                let perms = b.permissions(user, vhost);
+                *cached = Some((generation, perms.clone()));
+                perms
+            }
+        };
+        if perms.is_some_and(|p| p.allows(access, name)) {
+            return Ok(());
+        }
+        Err(AmqpError::access_refused(
+            crate::broker::permissions::refusal(resource, name, vhost, user),
+        ))
+    }
 }
 
 /// Run `f` on the broker core with the lock held, then carry out its effects before releasing
@@ -241,6 +292,7 @@ impl Session {
             hold: Default::default(),
             blocked_capability: false,
             unfinished: 0,
+            grant: Grant::default(),
         }
     }
 

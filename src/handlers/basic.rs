@@ -1,8 +1,9 @@
 //! basic class: qos, consume, cancel, publish (and the content it carries), get, ack, reject,
 //! nack, recover.
 
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::Message;
-use crate::conn::session::{core, Session, TxAck};
+use crate::conn::session::{core, exchange_or_default, Session, TxAck};
 use amq_protocol::protocol::basic::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use std::sync::Arc;
@@ -85,6 +86,9 @@ impl Session {
         let queue = self.resolve_queue(ch, c.queue.as_str())?;
         let conn = self.conn;
         core(&self.shared, &mut self.ctx, |b, fx| {
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant
+                .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
             // Deliveries the subscription causes land in `fx` and go out after consume-ok.
             let tag = b.consume(
                 conn,
@@ -113,6 +117,9 @@ impl Session {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         let conn = self.conn;
         core(&self.shared, &mut self.ctx, |b, _| {
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant
+                .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
             match b.get(conn, ch, &self.vhost, &queue, g.no_ack)? {
                 Some(r) => {
                     if let Some(rep) = &self.shared.replication {
@@ -191,7 +198,13 @@ impl Session {
         // A whole message arrived: under a disk alarm the connection task stops reading now.
         self.published = true;
         if let Some(user_id) = content.properties.user_id() {
-            if user_id.as_str() != self.user {
+            // Users tagged impersonator may publish in another's name (RabbitMQ).
+            if user_id.as_str() != self.user
+                && !self.shared.query(|b| {
+                    b.user(&self.user)
+                        .is_some_and(|u| u.tags.iter().any(|t| t == "impersonator"))
+                })
+            {
                 return Err(AmqpError::precondition_failed(format!(
                     "user_id property set to '{}' but authenticated user was '{}'",
                     user_id.as_str(),
@@ -235,8 +248,16 @@ impl Session {
         let in_tx = self.chan(ch)?.tx.is_some();
         if in_tx {
             // Errors about the exchange come now, as in RabbitMQ; routing happens at commit.
-            let vhost = &self.vhost;
+            let (user, vhost, grant) = (&self.user, &self.vhost, &self.grant);
             core(&self.shared, &mut self.ctx, |b, _| {
+                grant.check(
+                    b,
+                    user,
+                    vhost,
+                    Access::Write,
+                    Resource::Exchange,
+                    exchange_or_default(&msg.exchange),
+                )?;
                 b.route(vhost, msg.exchange.as_ref(), &msg).map(|_| ())
             })
             .map_err(|e| e.on(60, 40))?;
@@ -289,6 +310,15 @@ impl Session {
         mandatory: bool,
     ) -> Result<(bool, bool, crate::broker::Targets), AmqpError> {
         core(&self.shared, &mut self.ctx, |b, fx| {
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant.check(
+                b,
+                user,
+                vhost,
+                Access::Write,
+                Resource::Exchange,
+                exchange_or_default(&msg.exchange),
+            )?;
             let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
             if outcome.routed == 0 && mandatory {
                 self.outbox.method_with_content(

@@ -295,6 +295,12 @@ impl Session {
             if !b.has_vhost(&vhost) {
                 return Err(format!("vhost {vhost} not found"));
             }
+            if b.permissions(&self.user, &vhost).is_none() {
+                return Err(format!(
+                    "access to vhost '{vhost}' refused for user '{}'",
+                    self.user
+                ));
+            }
             // RabbitMQ's connection_max, checked where RabbitMQ checks it.
             if b.connection_totals().0 >= limit {
                 return Err(format!(

@@ -1,7 +1,8 @@
 //! exchange class: declare, delete, bind, unbind.
 
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::ExchangeDeclare;
-use crate::conn::session::{core_durable, strip_cr_lf, Session};
+use crate::conn::session::{core_durable, exchange_or_default, strip_cr_lf, Session};
 use amq_protocol::protocol::exchange::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -46,6 +47,17 @@ impl Session {
             arguments: d.arguments,
         };
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+            if !decl.passive {
+                let (user, vhost) = (&self.user, &self.vhost);
+                self.grant.check(
+                    b,
+                    user,
+                    vhost,
+                    Access::Configure,
+                    Resource::Exchange,
+                    exchange_or_default(&decl.name),
+                )?;
+            }
             b.exchange_declare(&self.vhost, decl, fx)?;
             if !d.nowait {
                 self.outbox.method(
@@ -58,13 +70,18 @@ impl Session {
     }
 
     fn exchange_delete(&mut self, ch: u16, d: exchange::Delete) -> Result<(), AmqpError> {
+        let name = strip_cr_lf(d.exchange.as_str());
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            match b.exchange_delete(
-                &self.vhost,
-                &strip_cr_lf(d.exchange.as_str()),
-                d.if_unused,
-                fx,
-            ) {
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant.check(
+                b,
+                user,
+                vhost,
+                Access::Configure,
+                Resource::Exchange,
+                exchange_or_default(&name),
+            )?;
+            match b.exchange_delete(&self.vhost, &name, d.if_unused, fx) {
                 Ok(()) => {}
                 // RabbitMQ answers delete-ok for an exchange that does not exist.
                 Err(e) if e.code == warren_protocol::ReplyCode::NotFound => {}
@@ -90,6 +107,24 @@ impl Session {
         bind: bool,
     ) -> Result<(), AmqpError> {
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+            // Writing to the destination, then reading the source (RabbitMQ's order).
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant.check(
+                b,
+                user,
+                vhost,
+                Access::Write,
+                Resource::Exchange,
+                exchange_or_default(destination),
+            )?;
+            self.grant.check(
+                b,
+                user,
+                vhost,
+                Access::Read,
+                Resource::Exchange,
+                exchange_or_default(source),
+            )?;
             b.exchange_bind(
                 &self.vhost,
                 destination,

@@ -1,7 +1,8 @@
 //! queue class: declare, bind, unbind, purge, delete.
 
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::QueueDeclare;
-use crate::conn::session::{core_durable, strip_cr_lf, Session};
+use crate::conn::session::{core_durable, exchange_or_default, strip_cr_lf, Session};
 use amq_protocol::protocol::queue::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -44,6 +45,9 @@ impl Session {
                 let queue = self.resolve_queue(ch, p.queue.as_str())?;
                 let conn = self.conn;
                 core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+                    let (user, vhost) = (&self.user, &self.vhost);
+                    self.grant
+                        .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
                     let count = b.queue_purge(conn, &self.vhost, &queue, fx)?;
                     if !p.nowait {
                         self.outbox.method(
@@ -60,6 +64,9 @@ impl Session {
                 let queue = self.resolve_queue(ch, &strip_cr_lf(d.queue.as_str()))?;
                 let conn = self.conn;
                 core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+                    let (user, vhost) = (&self.user, &self.vhost);
+                    self.grant
+                        .check(b, user, vhost, Access::Configure, Resource::Queue, &queue)?;
                     let count =
                         b.queue_delete(conn, &self.vhost, &queue, d.if_unused, d.if_empty, fx)?;
                     if !d.nowait {
@@ -98,6 +105,30 @@ impl Session {
         let conn = self.conn;
         let panic_on = self.shared.config.panic_on_declare.as_deref();
         let info = core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+            if !decl.passive {
+                // RabbitMQ checks the name a server-named queue gets, and for a dead-letter
+                // exchange, reading the queue and writing to the exchange.
+                let name = if decl.name.is_empty() {
+                    b.server_queue_name()
+                } else {
+                    decl.name.clone()
+                };
+                let (user, vhost) = (&self.user, &self.vhost);
+                let check = |access, resource, name: &str| {
+                    self.grant.check(b, user, vhost, access, resource, name)
+                };
+                check(Access::Configure, Resource::Queue, &name)?;
+                if let Some(amq_protocol::types::AMQPValue::LongString(dlx)) =
+                    decl.arguments.inner().get("x-dead-letter-exchange")
+                {
+                    check(Access::Read, Resource::Queue, &name)?;
+                    check(
+                        Access::Write,
+                        Resource::Exchange,
+                        &String::from_utf8_lossy(dlx.as_bytes()),
+                    )?;
+                }
+            }
             // Test hook (off unless a test sets it): a defect that panics with the broker lock
             // held, to show the connection task recovers from it (conn::serve).
             if panic_on == Some(decl.name.as_str()) {
@@ -133,6 +164,18 @@ impl Session {
     ) -> Result<(), AmqpError> {
         let conn = self.conn;
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
+            // Writing to the queue, then reading the exchange (RabbitMQ's order).
+            let (user, vhost) = (&self.user, &self.vhost);
+            self.grant
+                .check(b, user, vhost, Access::Write, Resource::Queue, queue)?;
+            self.grant.check(
+                b,
+                user,
+                vhost,
+                Access::Read,
+                Resource::Exchange,
+                exchange_or_default(exchange),
+            )?;
             b.queue_bind(
                 conn,
                 &self.vhost,

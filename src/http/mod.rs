@@ -17,6 +17,7 @@ mod connections;
 mod exchanges;
 mod json;
 mod overview;
+mod permissions;
 mod queues;
 mod users;
 mod vhosts;
@@ -100,6 +101,21 @@ fn router(shared: Arc<Shared>) -> Router {
             get(users::user)
                 .put(users::put_user)
                 .delete(users::delete_user),
+        )
+        .route(
+            "/api/users/{name}/permissions",
+            get(permissions::user_permissions),
+        )
+        .route("/api/permissions", get(permissions::permissions))
+        .route(
+            "/api/permissions/{vhost}/{user}",
+            get(permissions::permission)
+                .put(permissions::put_permission)
+                .delete(permissions::delete_permission),
+        )
+        .route(
+            "/api/vhosts/{vhost}/permissions",
+            get(permissions::vhost_permissions),
         )
         .route("/api/vhosts", get(vhosts))
         .route(

@@ -104,7 +104,21 @@ pub(super) async fn put_vhost(
     };
     let result = change(&shared, |b, fx| {
         let existed = b.has_vhost(&name);
-        b.apply(&op, fx).map(|()| existed)
+        b.apply(&op, fx)?;
+        if !existed {
+            // RabbitMQ's API gives whoever creates a vhost full permissions on it.
+            b.apply(
+                &Op::SetPermissions {
+                    user: me.clone(),
+                    vhost: name.clone(),
+                    configure: ".*".into(),
+                    write: ".*".into(),
+                    read: ".*".into(),
+                },
+                fx,
+            )?;
+        }
+        Ok(existed)
     })
     .await;
     match result {

@@ -190,6 +190,34 @@ impl VhostRecord {
     }
 }
 
+/// A user's permissions in a vhost (key: `P` + vhost + user).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PermissionRecord {
+    pub configure: String,
+    pub write: String,
+    pub read: String,
+}
+
+impl PermissionRecord {
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(VERSION);
+        put_str(&mut b, self.configure.as_bytes());
+        put_str(&mut b, self.write.as_bytes());
+        put_str(&mut b, self.read.as_bytes());
+        b.freeze()
+    }
+
+    pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
+        check_version(&mut b)?;
+        Ok(PermissionRecord {
+            configure: get_string(&mut b)?,
+            write: get_string(&mut b)?,
+            read: get_string(&mut b)?,
+        })
+    }
+}
+
 /// A binding, encoded whole as a key (its value is empty).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BindingKey {
@@ -208,6 +236,8 @@ pub const BINDING_PREFIX: u8 = b'B';
 pub const USER_PREFIX: u8 = b'U';
 /// Vhosts: `V` + an empty vhost + the vhost's name.
 pub const VHOST_PREFIX: u8 = b'V';
+/// Permissions: `P` + the vhost + the user.
+pub const PERMISSION_PREFIX: u8 = b'P';
 
 /// `X`/`Q` + vhost + name.
 pub fn entity_key(prefix: u8, vhost: &str, name: &str) -> Bytes {

@@ -2,7 +2,8 @@
 //! broker that keeps nothing across restarts.
 
 use crate::codec::{
-    BindingKey, ExchangeRecord, MessageRecord, QueueRecord, UserRecord, VhostRecord,
+    BindingKey, ExchangeRecord, MessageRecord, PermissionRecord, QueueRecord, UserRecord,
+    VhostRecord,
 };
 use crate::op::{BindingDest, Op};
 use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -16,6 +17,8 @@ struct State {
     bindings: BTreeSet<BindingKey>,
     users: BTreeMap<String, UserRecord>,
     vhosts: BTreeMap<String, VhostRecord>,
+    /// By (vhost, user).
+    permissions: BTreeMap<(String, String), PermissionRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
     /// `Store::write_applied`'s position.
@@ -220,6 +223,25 @@ impl MemStore {
                 Op::DeleteVhost { name } => {
                     s.vhosts.remove(name);
                 }
+                Op::SetPermissions {
+                    user,
+                    vhost,
+                    configure,
+                    write,
+                    read,
+                } => {
+                    s.permissions.insert(
+                        key(vhost, user),
+                        PermissionRecord {
+                            configure: configure.clone(),
+                            write: write.clone(),
+                            read: read.clone(),
+                        },
+                    );
+                }
+                Op::ClearPermissions { user, vhost } => {
+                    s.permissions.remove(&key(vhost, user));
+                }
             }
         }
         if let Some(a) = applied {
@@ -375,6 +397,9 @@ fn definition_ops(s: &State) -> Vec<Op> {
     }
     for (name, v) in &s.vhosts {
         ops.push(crate::op::put_vhost(name, v));
+    }
+    for ((vhost, user), p) in &s.permissions {
+        ops.push(crate::op::set_permissions(vhost, user, p));
     }
     for ((vhost, name), x) in &s.exchanges {
         ops.push(crate::op::declare_exchange(vhost, name, x));

@@ -142,6 +142,20 @@ pub enum Op {
     DeleteVhost {
         name: String,
     },
+    /// Set a user's permissions in a vhost: regular expressions over the names of the queues
+    /// and exchanges they may configure, write to and read from ("" matches nothing).
+    SetPermissions {
+        user: String,
+        vhost: String,
+        configure: String,
+        write: String,
+        read: String,
+    },
+    /// Take a user's permissions in a vhost away (they may no longer open it).
+    ClearPermissions {
+        user: String,
+        vhost: String,
+    },
 }
 
 impl Op {
@@ -162,6 +176,7 @@ impl Op {
             // Users belong to no vhost.
             Op::PutUser { .. } | Op::DeleteUser { .. } => "",
             Op::PutVhost { name, .. } | Op::DeleteVhost { name } => name,
+            Op::SetPermissions { vhost, .. } | Op::ClearPermissions { vhost, .. } => vhost,
         }
     }
 }
@@ -273,6 +288,17 @@ pub fn put_vhost(name: &str, v: &crate::codec::VhostRecord) -> Op {
         name: name.to_string(),
         description: v.description.clone(),
         tags: v.tags.clone(),
+    }
+}
+
+/// The op that recreates stored permissions (for store implementations, at recovery).
+pub fn set_permissions(vhost: &str, user: &str, p: &crate::codec::PermissionRecord) -> Op {
+    Op::SetPermissions {
+        user: user.to_string(),
+        vhost: vhost.to_string(),
+        configure: p.configure.clone(),
+        write: p.write.clone(),
+        read: p.read.clone(),
     }
 }
 

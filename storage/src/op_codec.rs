@@ -44,6 +44,8 @@
 //! | 14  | `DeleteUser`      | name                                                                |
 //! | 15  | `PutVhost`        | name, description, tags (count + string each)                       |
 //! | 16  | `DeleteVhost`     | name                                                                |
+//! | 17  | `SetPermissions`  | user, vhost, configure, write, read                                 |
+//! | 18  | `ClearPermissions`| user, vhost                                                         |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -82,13 +84,15 @@ pub const TAG_REMOVE_SIZED: u8 = 13;
 pub const TAG_DELETE_USER: u8 = 14;
 pub const TAG_PUT_VHOST: u8 = 15;
 pub const TAG_DELETE_VHOST: u8 = 16;
+pub const TAG_SET_PERMISSIONS: u8 = 17;
+pub const TAG_CLEAR_PERMISSIONS: u8 = 18;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 16] = [
+const ALL_TAGS: [u8; 18] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -105,6 +109,8 @@ const ALL_TAGS: [u8; 16] = [
     TAG_DELETE_USER,
     TAG_PUT_VHOST,
     TAG_DELETE_VHOST,
+    TAG_SET_PERMISSIONS,
+    TAG_CLEAR_PERMISSIONS,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -145,6 +151,8 @@ pub fn tag(op: &Op) -> u8 {
         Op::DeleteUser { .. } => TAG_DELETE_USER,
         Op::PutVhost { .. } => TAG_PUT_VHOST,
         Op::DeleteVhost { .. } => TAG_DELETE_VHOST,
+        Op::SetPermissions { .. } => TAG_SET_PERMISSIONS,
+        Op::ClearPermissions { .. } => TAG_CLEAR_PERMISSIONS,
     }
 }
 
@@ -376,6 +384,21 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             }
         }
         Op::DeleteVhost { name } => put_bytes(b, name.as_bytes())?,
+        Op::SetPermissions {
+            user,
+            vhost,
+            configure,
+            write,
+            read,
+        } => {
+            for s in [user, vhost, configure, write, read] {
+                put_bytes(b, s.as_bytes())?;
+            }
+        }
+        Op::ClearPermissions { user, vhost } => {
+            put_bytes(b, user.as_bytes())?;
+            put_bytes(b, vhost.as_bytes())?;
+        }
     }
     Ok(())
 }
@@ -642,6 +665,17 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
         }
         TAG_DELETE_VHOST => Op::DeleteVhost {
             name: get_string(b)?,
+        },
+        TAG_SET_PERMISSIONS => Op::SetPermissions {
+            user: get_string(b)?,
+            vhost: get_string(b)?,
+            configure: get_string(b)?,
+            write: get_string(b)?,
+            read: get_string(b)?,
+        },
+        TAG_CLEAR_PERMISSIONS => Op::ClearPermissions {
+            user: get_string(b)?,
+            vhost: get_string(b)?,
         },
         _ => return Err(DecodeError("unknown op tag")),
     };
@@ -933,6 +967,31 @@ mod tests {
     }
 
     #[test]
+    fn golden_set_permissions() {
+        golden(
+            Op::SetPermissions {
+                user: "u".into(),
+                vhost: "/".into(),
+                configure: ".*".into(),
+                write: "".into(),
+                read: "^a".into(),
+            },
+            "11 | 00000001 75 | 00000001 2f | 00000002 2e2a | 00000000 | 00000002 5e61",
+        );
+    }
+
+    #[test]
+    fn golden_clear_permissions() {
+        golden(
+            Op::ClearPermissions {
+                user: "u".into(),
+                vhost: "/".into(),
+            },
+            "12 | 00000001 75 | 00000001 2f",
+        );
+    }
+
+    #[test]
     fn golden_empty_entry() {
         assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
@@ -1034,6 +1093,17 @@ mod tests {
                 tags: vec![],
             },
             Op::DeleteVhost { name: "v".into() },
+            Op::SetPermissions {
+                user: "u".into(),
+                vhost: "v".into(),
+                configure: ".*".into(),
+                write: ".*".into(),
+                read: ".*".into(),
+            },
+            Op::ClearPermissions {
+                user: "u".into(),
+                vhost: "v".into(),
+            },
         ]
     }
 
@@ -1042,7 +1112,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=16).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=18).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1116,7 +1186,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 17, 255] {
+        for t in [0u8, 19, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1407,6 +1477,16 @@ mod tests {
                     }
                 }),
                 string().prop_map(|name| Op::DeleteVhost { name }),
+                (string(), string(), string(), string(), string()).prop_map(
+                    |(user, vhost, configure, write, read)| Op::SetPermissions {
+                        user,
+                        vhost,
+                        configure,
+                        write,
+                        read,
+                    }
+                ),
+                (string(), string()).prop_map(|(user, vhost)| Op::ClearPermissions { user, vhost }),
             ]
         }
 

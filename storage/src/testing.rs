@@ -253,7 +253,8 @@ fn users_survive(open: &dyn Fn() -> Box<dyn Store>) {
 }
 
 /// Vhosts come back before any exchange or queue (a vhost must exist before what is in it),
-/// with their latest metadata; a deleted one does not come back.
+/// with their latest metadata; a deleted one does not come back. Permissions likewise: the
+/// latest, not the cleared.
 fn vhosts_survive(open: &dyn Fn() -> Box<dyn Store>) {
     let vhost = |name: &str, description: &str| Op::PutVhost {
         name: name.into(),
@@ -271,10 +272,35 @@ fn vhosts_survive(open: &dyn Fn() -> Box<dyn Store>) {
         true,
     )
     .unwrap();
-    s.write(&[Op::DeleteVhost { name: "old".into() }], true)
-        .unwrap();
+    let perm = |user: &str, read: &str| Op::SetPermissions {
+        user: user.into(),
+        vhost: "shop".into(),
+        configure: ".*".into(),
+        write: "".into(),
+        read: read.into(),
+    };
+    s.write(
+        &[
+            perm("ann", "^a"),
+            perm("ann", "^b"),
+            perm("bob", ".*"),
+            Op::DeleteVhost { name: "old".into() },
+            Op::ClearPermissions {
+                user: "bob".into(),
+                vhost: "shop".into(),
+            },
+        ],
+        true,
+    )
+    .unwrap();
     drop(s);
     let ops = open().recover().unwrap().ops;
+    let perms: Vec<String> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::SetPermissions { .. }))
+        .map(|op| format!("{op:?}"))
+        .collect();
+    assert_eq!(perms, [format!("{:?}", perm("ann", "^b"))]);
     let vhosts: Vec<String> = ops
         .iter()
         .filter(|op| matches!(op, Op::PutVhost { .. }))

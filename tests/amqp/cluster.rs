@@ -1203,6 +1203,14 @@ async fn users_made_through_the_api_are_replicated_and_survive_a_restart() {
         &[],
     );
     assert_eq!(status, 201, "{body}");
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/permissions/%2F/app",
+        Some(r#"{"configure":".*","write":".*","read":".*"}"#),
+        &[],
+    );
+    assert_eq!(status, 201, "{body}");
     // Each node answers from its own replicated state (a request marked as forwarded already).
     let has_user = |n: &Node| {
         http_call(
@@ -1350,6 +1358,36 @@ async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
     let (status, body) = http_call(&c.nodes[f], "GET", "/api/vhosts/shop", None, &local);
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("the shop"), "{body}");
+    // A user with permissions there: replicated, and gone with the vhost.
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/users/clerk",
+        Some(r#"{"password":"pw","tags":""}"#),
+        &[],
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/permissions/shop/clerk",
+        Some(r#"{"configure":"^orders$","write":".*","read":".*"}"#),
+        &[],
+    );
+    assert_eq!(status, 201, "{body}");
+    let clerk_url = format!("amqp://clerk:pw@127.0.0.1:{}/shop", c.nodes[leader].amqp);
+    let clerk = connect(&clerk_url).await;
+    clerk.close(200, "bye".into()).await.unwrap();
+    let permission_on =
+        |n: &Node| http_call(n, "GET", "/api/permissions/shop/clerk", None, &local).0;
+    let deadline = Instant::now() + WAIT;
+    while c.nodes.iter().any(|n| permission_on(n) != 200) {
+        assert!(
+            Instant::now() < deadline,
+            "the permission is not on every node"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // Deleted while a follower is down; the log moves on past a snapshot and is reclaimed, so
     // the follower catches up from a snapshot. (Idle: what it applied is all its log holds.)
@@ -1377,6 +1415,12 @@ async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
     for n in &c.nodes {
         let (status, _) = http_call(n, "GET", "/api/vhosts/shop", None, &local);
         assert_eq!(status, 404, "the vhost is still on node {}", n.id);
+        assert_eq!(
+            permission_on(n),
+            404,
+            "the permission is still on node {}",
+            n.id
+        );
     }
     assert!(
         Connection::connect(&shop_url, ConnectionProperties::default())

@@ -745,9 +745,14 @@ async fn vhosts_and_their_deletion_survive_a_restart() {
         }
         conn.close(200, "bye".into()).await.unwrap();
     }
+    // A user with permissions on "kept" (and one on "gone", which goes with it).
+    let put = |path: &str, body: &str| http_request(http, "PUT", path, Some(body), &[]).0;
+    assert_eq!(put("/api/users/app", r#"{"password":"pw","tags":""}"#), 201);
+    let all = r#"{"configure":".*","write":".*","read":".*"}"#;
+    assert_eq!(put("/api/permissions/kept/app", all), 201);
+    assert_eq!(put("/api/permissions/gone/app", all), 201);
     assert_eq!(call("DELETE", "/api/vhosts/gone").0, 204);
     assert_eq!(call("DELETE", "/api/vhosts/%2F").0, 204);
-    let url = broker.url.clone();
     drop(broker);
 
     let broker = spawn_binary(&data, &args).await;
@@ -760,16 +765,39 @@ async fn vhosts_and_their_deletion_survive_a_restart() {
         .map(|v| v["name"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(names, ["kept"]);
-    assert!(
-        lapin::Connection::connect(&url, Default::default())
-            .await
-            .is_err(),
-        "the deleted default vhost opened"
-    );
+    // (The restarted broker listens on another port.)
+    let url = broker.url.clone();
+    match lapin::Connection::connect(&url, Default::default()).await {
+        Ok(_) => panic!("the deleted default vhost opened"),
+        Err(e) => assert!(e.to_string().contains("not found"), "{e}"),
+    }
     let (status, body) = call("GET", "/api/queues/kept/q");
     assert_eq!(status, 200, "{body}");
     let q: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(q["messages"], 3, "{body}");
+    // The permissions left: the creator's and app's on "kept"; app logs in there.
+    let (status, body) = call("GET", "/api/permissions");
+    assert_eq!(status, 200);
+    let perms: Vec<(String, String)> = serde_json::from_str::<Vec<serde_json::Value>>(&body)
+        .unwrap()
+        .iter()
+        .map(|p| (p["user"].to_string(), p["vhost"].to_string()))
+        .collect();
+    assert_eq!(
+        perms,
+        [
+            ("\"app\"".to_string(), "\"kept\"".to_string()),
+            ("\"guest\"".to_string(), "\"kept\"".to_string())
+        ],
+        "{body}"
+    );
+    let app_url = url.replace("guest:guest", "app:pw").replace("%2f", "kept");
+    lapin::Connection::connect(&app_url, Default::default())
+        .await
+        .expect("app logs in to kept")
+        .close(200, "bye".into())
+        .await
+        .unwrap();
     // Made again, "gone" is empty.
     assert_eq!(call("PUT", "/api/vhosts/gone").0, 201);
     assert_eq!(call("GET", "/api/queues/gone/q").0, 404);

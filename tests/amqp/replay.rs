@@ -360,8 +360,13 @@ async fn applying_the_recorded_ops_to_a_fresh_broker_gives_the_same_state() {
     // As a replica gets them: encoded (the versioned op encoding) and decoded again.
     let shipped = warren_storage::op_codec::encode_ops(&ops).unwrap();
     let ops = warren_storage::op_codec::decode_ops(shipped).unwrap();
+    // A fresh node starts with the default vhost, user and permissions (made before the
+    // recording began), then applies what was recorded.
     let mut fresh = warren::broker::Broker::new();
     let mut fx = Vec::new();
+    for op in warren::node::default_definitions(&fresh, &server.shared.config) {
+        fresh.apply(&op, &mut fx).unwrap();
+    }
     for op in &ops {
         fresh.apply(op, &mut fx).unwrap();
     }

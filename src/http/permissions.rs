@@ -1,0 +1,174 @@
+//! `/api/permissions`: a user's configure / write / read permissions per vhost, as RabbitMQ's
+//! API lists, shows, sets (PUT) and clears (DELETE) them; administrators only. Changed through
+//! the core (`Op::SetPermissions`, `Op::ClearPermissions`): durable and replicated before the
+//! answer, and in force for open connections at their next method.
+
+use super::json::body_object;
+use super::users::{is_administrator, not_administrator};
+use super::{bad_request, change, no_content, not_found, Api, Login};
+use crate::broker::permissions::{check, Permissions};
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use warren_protocol::reply::{AmqpError, ReplyCode};
+use warren_storage::Op;
+
+fn permission_json(user: &str, vhost: &str, p: &Permissions) -> Value {
+    json!({
+        "user": user,
+        "vhost": vhost,
+        "configure": p.configure,
+        "write": p.write,
+        "read": p.read,
+    })
+}
+
+/// The permissions `keep(user, vhost)` selects, as a JSON list (sorted by user, then vhost).
+fn list(shared: &crate::node::Shared, keep: impl Fn(&str, &str) -> bool) -> Value {
+    let all = shared.query(|b| b.permission_list());
+    Value::Array(
+        all.iter()
+            .filter(|(u, v, _)| keep(u, v))
+            .map(|(u, v, p)| permission_json(u, v, p))
+            .collect(),
+    )
+}
+
+pub(super) async fn permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    Json(list(&shared, |_, _| true)).into_response()
+}
+
+/// GET /api/vhosts/{vhost}/permissions.
+pub(super) async fn vhost_permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(vhost): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    if !shared.query(|b| b.has_vhost(&vhost)) {
+        return not_found();
+    }
+    Json(list(&shared, |_, v| v == vhost)).into_response()
+}
+
+/// GET /api/users/{user}/permissions.
+pub(super) async fn user_permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(user): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    if !shared.query(|b| b.user(&user).is_some()) {
+        return not_found();
+    }
+    Json(list(&shared, |u, _| u == user)).into_response()
+}
+
+pub(super) async fn permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    match shared.query(|b| b.permissions(&user, &vhost)) {
+        Some(p) => Json(permission_json(&user, &vhost, &p)).into_response(),
+        None => not_found(),
+    }
+}
+
+/// PUT /api/permissions/{vhost}/{user} `{"configure": RE, "write": RE, "read": RE}`: 201 set,
+/// 204 replaced; each expression is required and must compile (400, as RabbitMQ).
+pub(super) async fn put_permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    // RabbitMQ names every missing key: "[{key_missing,configure},{key_missing,read}]".
+    let missing: Vec<String> = ["configure", "write", "read"]
+        .iter()
+        .filter(|k| !m.contains_key(**k))
+        .map(|k| format!("{{key_missing,{k}}}"))
+        .collect();
+    if !missing.is_empty() {
+        return bad_request(&format!("[{}]", missing.join(",")));
+    }
+    let mut exprs = Vec::new();
+    for key in ["configure", "write", "read"] {
+        let Some(expr) = m.get(key).and_then(Value::as_str) else {
+            return bad_request(&format!("{key} must be a string"));
+        };
+        if let Err(e) = check(expr) {
+            return bad_request(&format!("invalid_regexp: {key} {expr:?}: {e}"));
+        }
+        exprs.push(expr.to_string());
+    }
+    let [configure, write, read] = <[String; 3]>::try_from(exprs).unwrap_or_default();
+    let op = Op::SetPermissions {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        configure,
+        write,
+        read,
+    };
+    let result = change(&shared, |b, fx| {
+        if b.user(&user).is_none() || !b.has_vhost(&vhost) {
+            return Err(AmqpError::connection(
+                ReplyCode::PreconditionFailed,
+                "vhost_or_user_not_found",
+            ));
+        }
+        let existed = b.permissions(&user, &vhost).is_some();
+        b.apply(&op, fx).map(|()| existed)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/permissions/{vhost}/{user}: 204, or 404 when there are none.
+pub(super) async fn delete_permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let op = Op::ClearPermissions {
+        user: user.clone(),
+        vhost: vhost.clone(),
+    };
+    let result = change(&shared, |b, fx| {
+        if b.permissions(&user, &vhost).is_none() {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.apply(&op, fx)
+    })
+    .await;
+    no_content(result)
+}
