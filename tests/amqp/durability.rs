@@ -808,3 +808,70 @@ async fn vhosts_and_their_deletion_survive_a_restart() {
     assert!(body.contains("the last vhost cannot be deleted"), "{body}");
     drop(broker);
 }
+
+/// Issue 14: a data folder of a Warren from before vhosts and permissions were recorded (users
+/// and definitions only) keeps working: at its first start "/" is recorded and every user it
+/// has gets full permissions there, so nobody is locked out; no default user is added.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_of_a_data_folder_from_before_permissions_keep_their_access() {
+    use warren_storage::{Op, Store};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    {
+        let store = warren_rocks::RocksStore::open(&data.join("store")).unwrap();
+        store
+            .write(
+                &[
+                    Op::PutUser {
+                        name: "alice".into(),
+                        password_hash: warren::broker::users::hash_password("pw", [1, 2, 3, 4]),
+                        tags: vec!["administrator".into()],
+                    },
+                    Op::DeclareQueue {
+                        vhost: "/".into(),
+                        name: "old".into(),
+                        durable: true,
+                        exclusive: false,
+                        auto_delete: false,
+                        arguments: bytes::Bytes::from_static(&[0, 0, 0, 0]),
+                    },
+                ],
+                true,
+            )
+            .unwrap();
+    }
+    let broker = spawn_binary(&data, &[]).await;
+    let alice = broker.url.replace("guest:guest", "alice:pw");
+    let conn = lapin::Connection::connect(&alice, Default::default())
+        .await
+        .expect("alice opens / as before");
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        "old".into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("the old queue is there");
+    ch.queue_declare("new".into(), Default::default(), FieldTable::default())
+        .await
+        .expect("alice may configure in / as before");
+    conn.close(200, "bye".into()).await.unwrap();
+    // No default user was added beside alice.
+    assert!(lapin::Connection::connect(&broker.url, Default::default())
+        .await
+        .is_err());
+    drop(broker);
+    // And so it stays (recorded once: a second start changes nothing).
+    let broker = spawn_binary(&data, &[]).await;
+    let alice = broker.url.replace("guest:guest", "alice:pw");
+    lapin::Connection::connect(&alice, Default::default())
+        .await
+        .expect("alice opens / after another restart")
+        .close(200, "bye".into())
+        .await
+        .unwrap();
+}
