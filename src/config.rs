@@ -56,6 +56,10 @@ pub struct Config {
     /// Run as a node of a replicated cluster (`--node-id`, `--raft-listen`, `--peers`); None:
     /// a single node with no Raft, as before.
     pub cluster: Option<ClusterConfig>,
+    /// Definitions imported at start (`--load-definitions FILE`, RabbitMQ's
+    /// `load_definitions`): a single node imports them before it serves, a cluster node the
+    /// first time it leads. Parsed when the file is read, so a bad file stops the start.
+    pub load_definitions: Option<std::sync::Arc<serde_json::Map<String, serde_json::Value>>>,
 }
 
 /// A cluster node's settings (issue 15).
@@ -160,6 +164,7 @@ impl Default for Config {
             vm_memory_high_watermark: Default::default(),
             recover_damaged: false,
             cluster: None,
+            load_definitions: None,
         }
     }
 }

@@ -74,6 +74,11 @@ struct ServerArgs {
     /// absolute size (bytes, or with a unit: 512MiB, 2GB).
     #[arg(long, env = "WARREN_VM_MEMORY_HIGH_WATERMARK", default_value = "0.4", value_parser = warren::memory::Watermark::parse)]
     vm_memory_high_watermark: warren::memory::Watermark,
+    /// A definitions file (RabbitMQ's JSON, as `GET /api/definitions` or RabbitMQ's export
+    /// gives it) imported at start: users, vhosts, permissions, exchanges, queues, bindings
+    /// (RabbitMQ's load_definitions). Importing adds and replaces; it deletes nothing.
+    #[arg(long, env = "WARREN_LOAD_DEFINITIONS")]
+    load_definitions: Option<std::path::PathBuf>,
     /// The default user's password (RabbitMQ's default_pass).
     #[arg(
         long,
@@ -185,6 +190,20 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         },
         recover_damaged: args.recover_damaged,
         loopback_users: args.loopback_users.0,
+        load_definitions: match &args.load_definitions {
+            None => None,
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .with_context(|| format!("--load-definitions {}", path.display()))?;
+                match serde_json::from_slice::<serde_json::Value>(&text) {
+                    Ok(serde_json::Value::Object(m)) => Some(std::sync::Arc::new(m)),
+                    Ok(_) => {
+                        anyhow::bail!("--load-definitions {}: not a JSON object", path.display())
+                    }
+                    Err(e) => anyhow::bail!("--load-definitions {}: {e}", path.display()),
+                }
+            }
+        },
         cluster: match (args.node_id, args.raft_listen, args.peers) {
             (Some(node_id), Some(raft_listen), Some(peers)) => {
                 Some(warren::config::ClusterConfig {

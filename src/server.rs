@@ -33,6 +33,13 @@ pub async fn run(
     let shared = Shared::open(config)?;
     if shared.replication.is_some() {
         crate::cluster::start(shared.clone()).await?;
+    } else if let Some(doc) = shared.config.load_definitions.clone() {
+        // Before any client: what they find is there.
+        let (result, _) = shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |b, fx| {
+            crate::http::definitions::import(b, fx, &doc, None, None)
+        });
+        result.map_err(|why| anyhow::anyhow!("--load-definitions: {why}"))?;
+        tracing::info!("definitions loaded");
     }
     serve(listener, shared, shutdown).await
 }

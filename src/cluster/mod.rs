@@ -155,6 +155,8 @@ pub struct Replication {
     /// A grown single node whose data is not yet in a snapshot (`first_snapshot`): no node
     /// may be added until it is.
     pub grow_pending: AtomicBool,
+    /// `--load-definitions` was imported (the first time this process led).
+    pub definitions_loaded: AtomicBool,
 }
 
 impl std::fmt::Debug for Replication {
@@ -185,6 +187,7 @@ impl Replication {
             held: Default::default(),
             heard: Default::default(),
             grow_pending: AtomicBool::new(false),
+            definitions_loaded: AtomicBool::new(false),
         }
     }
 
@@ -823,6 +826,16 @@ fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
     for op in crate::node::default_definitions(&broker, &shared.config) {
         if let Err(e) = broker.apply(&op, &mut fx) {
             error!(error = %e.text, "creating the default user");
+        }
+    }
+    // `--load-definitions`, the first time this process leads (a single node imports at
+    // start; here only a leader can change anything).
+    if let Some(doc) = &shared.config.load_definitions {
+        if !rep.definitions_loaded.swap(true, Ordering::AcqRel) {
+            match crate::http::definitions::import(&mut broker, &mut fx, doc, None, None) {
+                Ok(()) => info!("definitions loaded"),
+                Err(why) => error!(%why, "--load-definitions"),
+            }
         }
     }
     info!(node_id = rep.me, leader = %lid, "leading: serving clients");

@@ -38,7 +38,7 @@ pub(super) fn arguments(m: &Map<String, Value>) -> Result<FieldTable, String> {
 /// A field table's keys are short strings (255 bytes at most). RabbitMQ accepts a longer
 /// argument key through its HTTP API (201) and keeps it; no argument Warren knows is that
 /// long, so such a key is accepted and left out, with a warning (a README deviation).
-fn json_table(m: &Map<String, Value>) -> FieldTable {
+pub(super) fn json_table(m: &Map<String, Value>) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in m {
         match amq_protocol::types::ShortString::try_new(k.as_str()) {

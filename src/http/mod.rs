@@ -14,6 +14,7 @@
 mod bindings;
 mod cluster;
 mod connections;
+pub(crate) mod definitions;
 mod exchanges;
 mod json;
 mod overview;
@@ -107,6 +108,14 @@ fn router(shared: Arc<Shared>) -> Router {
             get(permissions::user_permissions),
         )
         .route("/api/permissions", get(permissions::permissions))
+        .route(
+            "/api/definitions",
+            get(definitions::get_all).post(definitions::post_all),
+        )
+        .route(
+            "/api/definitions/{vhost}",
+            get(definitions::get_vhost).post(definitions::post_vhost),
+        )
         .route(
             "/api/permissions/{vhost}/{user}",
             get(permissions::permission)

@@ -875,3 +875,70 @@ async fn users_of_a_data_folder_from_before_permissions_keep_their_access() {
         .await
         .unwrap();
 }
+
+/// Issue 14 point 6: `--load-definitions FILE` imports RabbitMQ's definitions at start (a file
+/// exported from RabbitMQ 3.10.8, `compat/fixtures`): its users log in with their passwords in
+/// its vhost and its topology routes, before any client comes. A file that is not a
+/// definitions document stops the start, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn definitions_are_loaded_at_start() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/compat/fixtures/rabbitmq-3.10-definitions.json"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let broker = spawn_binary(&data, &["--load-definitions", fixture]).await;
+    let app = broker
+        .url
+        .replace("guest:guest", "shop-app:shop-app-pw")
+        .replace("%2f", "shop");
+    let conn = lapin::Connection::connect(&app, Default::default())
+        .await
+        .expect("shop-app logs in to shop");
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirm = ch
+        .basic_publish(
+            "shop.events".into(),
+            "order.created".into(),
+            BasicPublishOptions::default(),
+            b"order 1",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_ack());
+    let got = ch
+        .basic_get("shop.orders".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the order was routed to shop.orders");
+    assert_eq!(got.delivery.data, b"order 1");
+    conn.close(200, "bye".into()).await.unwrap();
+    drop(broker);
+
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, b"[1, 2]").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+        .args([
+            "server",
+            "--amqp-listen",
+            "127.0.0.1:0",
+            "--management-listen",
+            "none",
+        ])
+        .arg("--load-definitions")
+        .arg(&bad)
+        .arg("--data-dir")
+        .arg(dir.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a JSON object"), "{err}");
+}

@@ -1,0 +1,473 @@
+//! Definitions, as RabbitMQ exports and imports them (`GET`/`POST /api/definitions`, and per
+//! vhost; `--load-definitions FILE` at start): users with their password hashes, vhosts,
+//! permissions, exchanges, queues and bindings, in RabbitMQ 3.10's JSON. A file exported from
+//! RabbitMQ imports here, and Warren's export imports into RabbitMQ. Importing adds and
+//! replaces; it deletes nothing. Every change goes through the one apply, in one call.
+
+use super::json::{body_object, json_table, table_json};
+use super::users::{is_administrator, not_administrator};
+use super::{bad_request, change, Api, Login};
+use crate::broker::{Broker, Effect, ExchangeDeclare, QueueDeclare};
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Map, Value};
+use warren_protocol::reply::{AmqpError, ReplyCode};
+use warren_storage::Op;
+
+/// The only password hashing stored (see `users.rs`).
+const SHA256: &str = "rabbit_password_hashing_sha256";
+
+/// Exchanges every vhost has: never exported, never declared by an import.
+fn predeclared(name: &str) -> bool {
+    name.is_empty() || name.starts_with("amq.")
+}
+
+/// What `GET /api/definitions` (every vhost, `vhost` None) or `GET /api/definitions/{vhost}`
+/// answers: RabbitMQ's document. Durable, non-exclusive queues and durable exchanges other than
+/// the predeclared ones, and the bindings between what is exported, as RabbitMQ exports them.
+pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
+    let in_vhost = |m: &mut Map<String, Value>, v: &str| {
+        if vhost.is_none() {
+            m.insert("vhost".into(), json!(v));
+        }
+    };
+    let mut queues = Vec::new();
+    let mut exported_queues = std::collections::BTreeSet::new();
+    for q in b.queue_views(vhost) {
+        if !q.durable || q.exclusive {
+            continue;
+        }
+        exported_queues.insert((q.vhost.clone(), q.name.clone()));
+        let mut m = Map::new();
+        m.insert("name".into(), json!(q.name));
+        in_vhost(&mut m, &q.vhost);
+        m.insert("durable".into(), json!(true));
+        m.insert("auto_delete".into(), json!(q.auto_delete));
+        m.insert("arguments".into(), Value::Object(table_json(&q.arguments)));
+        queues.push(Value::Object(m));
+    }
+    let mut views = b.exchange_views(vhost);
+    views.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
+    let mut exchanges = Vec::new();
+    let mut exported_exchanges = std::collections::BTreeSet::new();
+    for x in views {
+        if !x.durable || predeclared(&x.name) {
+            continue;
+        }
+        exported_exchanges.insert((x.vhost.clone(), x.name.clone()));
+        let mut m = Map::new();
+        m.insert("name".into(), json!(x.name));
+        in_vhost(&mut m, &x.vhost);
+        m.insert("type".into(), json!(x.kind));
+        m.insert("durable".into(), json!(true));
+        m.insert("auto_delete".into(), json!(x.auto_delete));
+        m.insert("internal".into(), json!(x.internal));
+        m.insert("arguments".into(), Value::Object(table_json(&x.arguments)));
+        exchanges.push(Value::Object(m));
+    }
+    let mut bindings = Vec::new();
+    for bv in b.binding_views(vhost) {
+        // The default exchange's implicit bindings are not definitions.
+        if bv.source.is_empty() {
+            continue;
+        }
+        let source_kept = exported_exchanges.contains(&(bv.vhost.clone(), bv.source.clone()))
+            || predeclared(&bv.source);
+        let dest = (bv.vhost.clone(), bv.destination.clone());
+        let dest_kept = if bv.destination_is_queue {
+            exported_queues.contains(&dest)
+        } else {
+            exported_exchanges.contains(&dest) || predeclared(&bv.destination)
+        };
+        if !source_kept || !dest_kept {
+            continue;
+        }
+        let mut m = Map::new();
+        m.insert("source".into(), json!(bv.source));
+        in_vhost(&mut m, &bv.vhost);
+        m.insert("destination".into(), json!(bv.destination));
+        let kind = if bv.destination_is_queue {
+            "queue"
+        } else {
+            "exchange"
+        };
+        m.insert("destination_type".into(), json!(kind));
+        m.insert("routing_key".into(), json!(bv.routing_key));
+        m.insert("arguments".into(), Value::Object(table_json(&bv.arguments)));
+        bindings.push(Value::Object(m));
+    }
+    let mut doc = Map::new();
+    doc.insert("rabbit_version".into(), json!("3.10.8"));
+    doc.insert("rabbitmq_version".into(), json!("3.10.8"));
+    doc.insert("product_name".into(), json!("Warren"));
+    doc.insert("product_version".into(), json!(env!("CARGO_PKG_VERSION")));
+    if vhost.is_none() {
+        let users: Vec<Value> = b
+            .users()
+            .iter()
+            .map(|(name, u)| {
+                json!({
+                    "name": name,
+                    "password_hash": u.password_hash,
+                    "hashing_algorithm": SHA256,
+                    "tags": u.tags,
+                    "limits": {},
+                })
+            })
+            .collect();
+        let vhosts: Vec<Value> = b
+            .vhost_infos()
+            .iter()
+            .map(|v| {
+                json!({
+                    "name": v.name,
+                    "limits": [],
+                    "metadata": {"description": v.description, "tags": v.tags},
+                })
+            })
+            .collect();
+        let permissions: Vec<Value> = b
+            .permission_list()
+            .iter()
+            .map(|(u, v, p)| {
+                json!({
+                    "user": u, "vhost": v,
+                    "configure": p.configure, "write": p.write, "read": p.read,
+                })
+            })
+            .collect();
+        doc.insert("users".into(), Value::Array(users));
+        doc.insert("vhosts".into(), Value::Array(vhosts));
+        doc.insert("permissions".into(), Value::Array(permissions));
+        doc.insert("topic_permissions".into(), json!([]));
+        doc.insert("global_parameters".into(), json!([]));
+    }
+    doc.insert("parameters".into(), json!([]));
+    doc.insert("policies".into(), json!([]));
+    doc.insert("queues".into(), Value::Array(queues));
+    doc.insert("exchanges".into(), Value::Array(exchanges));
+    doc.insert("bindings".into(), Value::Array(bindings));
+    Value::Object(doc)
+}
+
+/// The list `key` of a definitions document (absent: none).
+fn list<'a>(doc: &'a Map<String, Value>, key: &str) -> Result<&'a [Value], String> {
+    match doc.get(key) {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(a)) => Ok(a),
+        Some(_) => Err(format!("'{key}' must be a list")),
+    }
+}
+
+fn object<'a>(v: &'a Value, what: &str) -> Result<&'a Map<String, Value>, String> {
+    v.as_object()
+        .ok_or_else(|| format!("each of '{what}' must be an object"))
+}
+
+fn string(m: &Map<String, Value>, key: &str, what: &str) -> Result<String, String> {
+    match m.get(key) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        _ => Err(format!(
+            "a {what} needs '{key}' (a string): {}",
+            Value::Object(m.clone())
+        )),
+    }
+}
+
+fn optional_string(m: &Map<String, Value>, key: &str) -> Result<Option<String>, String> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(format!("'{key}' must be a string")),
+    }
+}
+
+fn boolean(m: &Map<String, Value>, key: &str) -> Result<bool, String> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        // Older exports (and hand-written files) say "true".
+        Some(Value::String(s)) if s == "true" || s == "false" => Ok(s == "true"),
+        Some(_) => Err(format!("'{key}' must be true or false")),
+    }
+}
+
+/// Tags as RabbitMQ writes them: a list (3.9 and later) or a comma-separated string.
+fn tags(v: Option<&Value>) -> Result<Vec<String>, String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut add = |t: &str| {
+        let t = t.trim();
+        if !t.is_empty() && !out.iter().any(|o| o == t) {
+            out.push(t.to_string());
+        }
+    };
+    match v {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => s.split(',').for_each(&mut add),
+        Some(Value::Array(a)) => {
+            for t in a {
+                add(t.as_str().ok_or("tags must be strings")?);
+            }
+        }
+        Some(_) => return Err("tags must be a string or a list".into()),
+    }
+    Ok(out)
+}
+
+fn arguments(m: &Map<String, Value>) -> Result<amq_protocol::types::FieldTable, String> {
+    match m.get("arguments") {
+        None | Some(Value::Null) => Ok(Default::default()),
+        Some(Value::Object(a)) => Ok(json_table(a)),
+        Some(_) => Err("'arguments' must be an object".into()),
+    }
+}
+
+/// Import `doc` into the broker: users, vhosts, permissions, exchanges, queues, bindings, in
+/// that order (RabbitMQ's); into vhost `only` when given (then only its exchanges, queues and
+/// bindings, whose entries name no vhost). `creator` (the API's caller) gets full permissions
+/// on the vhosts the import creates, as creating one through the API gives. Stops at the
+/// first refusal, with why; what came before it stays (as in RabbitMQ).
+pub(crate) fn import(
+    b: &mut Broker,
+    fx: &mut Vec<Effect>,
+    doc: &Map<String, Value>,
+    creator: Option<&str>,
+    only: Option<&str>,
+) -> Result<(), String> {
+    let refused = |what: String| move |e: AmqpError| format!("{what}: {}", e.text);
+    if only.is_none() {
+        for u in list(doc, "users")? {
+            let u = object(u, "users")?;
+            let name = string(u, "name", "user")?;
+            if let Some(alg) = optional_string(u, "hashing_algorithm")? {
+                if alg != SHA256 {
+                    return Err(format!(
+                        "user {name}: hashing_algorithm {alg} is not supported: only {SHA256}"
+                    ));
+                }
+            }
+            let password_hash = match (
+                optional_string(u, "password_hash")?,
+                optional_string(u, "password")?,
+            ) {
+                (Some(h), _) => h,
+                (None, Some(p)) => crate::broker::users::hash_password(&p, rand::random()),
+                (None, None) => String::new(),
+            };
+            let tags = tags(u.get("tags"))?;
+            let op = Op::PutUser {
+                name: name.clone(),
+                password_hash,
+                tags,
+            };
+            b.apply(&op, fx).map_err(refused(format!("user {name}")))?;
+        }
+        for v in list(doc, "vhosts")? {
+            let v = object(v, "vhosts")?;
+            let name = string(v, "name", "vhost")?;
+            let meta = v.get("metadata").and_then(Value::as_object);
+            let description = optional_string(v, "description")?
+                .or(meta
+                    .map(|m| optional_string(m, "description"))
+                    .transpose()?
+                    .flatten())
+                .unwrap_or_default();
+            let tags = match v.get("tags") {
+                Some(t) if !t.is_null() => tags(Some(t))?,
+                _ => tags(meta.and_then(|m| m.get("tags")))?,
+            };
+            let existed = b.has_vhost(&name);
+            let op = Op::PutVhost {
+                name: name.clone(),
+                description,
+                tags,
+            };
+            b.apply(&op, fx).map_err(refused(format!("vhost {name}")))?;
+            if let (false, Some(me)) = (existed, creator) {
+                let grant = Op::SetPermissions {
+                    user: me.to_string(),
+                    vhost: name.clone(),
+                    configure: ".*".into(),
+                    write: ".*".into(),
+                    read: ".*".into(),
+                };
+                b.apply(&grant, fx)
+                    .map_err(refused(format!("vhost {name}")))?;
+            }
+        }
+        for p in list(doc, "permissions")? {
+            let p = object(p, "permissions")?;
+            let (user, vhost) = (
+                string(p, "user", "permission")?,
+                string(p, "vhost", "permission")?,
+            );
+            let mut exprs = Vec::new();
+            for key in ["configure", "write", "read"] {
+                let e = string(p, key, "permission")?;
+                crate::broker::permissions::check(&e)
+                    .map_err(|e| format!("permission of {user} in {vhost}: {key}: {e}"))?;
+                exprs.push(e);
+            }
+            let [configure, write, read] = <[String; 3]>::try_from(exprs).unwrap_or_default();
+            let op = Op::SetPermissions {
+                user: user.clone(),
+                vhost: vhost.clone(),
+                configure,
+                write,
+                read,
+            };
+            b.apply(&op, fx)
+                .map_err(refused(format!("permission of {user} in {vhost}")))?;
+        }
+    }
+    let vhost_of = |m: &Map<String, Value>, what: &str| -> Result<String, String> {
+        match only {
+            Some(v) => Ok(v.to_string()),
+            None => string(m, "vhost", what),
+        }
+    };
+    for x in list(doc, "exchanges")? {
+        let x = object(x, "exchanges")?;
+        let (name, vhost) = (string(x, "name", "exchange")?, vhost_of(x, "exchange")?);
+        if predeclared(&name) {
+            continue;
+        }
+        let decl = ExchangeDeclare {
+            name: name.clone(),
+            kind: optional_string(x, "type")?.unwrap_or_else(|| "direct".into()),
+            passive: false,
+            durable: boolean(x, "durable")?,
+            auto_delete: boolean(x, "auto_delete")?,
+            internal: boolean(x, "internal")?,
+            arguments: arguments(x)?,
+        };
+        b.exchange_declare(&vhost, decl, fx)
+            .map_err(refused(format!("exchange {name} in vhost {vhost}")))?;
+    }
+    for q in list(doc, "queues")? {
+        let q = object(q, "queues")?;
+        let (name, vhost) = (string(q, "name", "queue")?, vhost_of(q, "queue")?);
+        let decl = QueueDeclare {
+            name: name.clone(),
+            passive: false,
+            durable: boolean(q, "durable")?,
+            exclusive: false,
+            auto_delete: boolean(q, "auto_delete")?,
+            arguments: arguments(q)?,
+        };
+        b.queue_declare(0, &vhost, decl, fx)
+            .map_err(refused(format!("queue {name} in vhost {vhost}")))?;
+    }
+    for x in list(doc, "bindings")? {
+        let x = object(x, "bindings")?;
+        let vhost = vhost_of(x, "binding")?;
+        let source = string(x, "source", "binding")?;
+        let destination = string(x, "destination", "binding")?;
+        let routing_key = optional_string(x, "routing_key")?.unwrap_or_default();
+        let args = arguments(x)?;
+        let what = format!("binding of {source} to {destination} in vhost {vhost}");
+        match optional_string(x, "destination_type")?.as_deref() {
+            Some("queue") | None => b.queue_bind(
+                0,
+                &vhost,
+                &destination,
+                &source,
+                &routing_key,
+                &args,
+                true,
+                fx,
+            ),
+            Some("exchange") => {
+                b.exchange_bind(&vhost, &destination, &source, &routing_key, &args, true, fx)
+            }
+            Some(other) => return Err(format!("{what}: unknown destination_type {other}")),
+        }
+        .map_err(refused(what))?;
+    }
+    Ok(())
+}
+
+async fn export_response(shared: &crate::node::Shared, vhost: Option<&str>) -> Response {
+    if let Some(v) = vhost {
+        if !shared.query(|b| b.has_vhost(v)) {
+            return super::not_found();
+        }
+    }
+    Json(shared.query(|b| export(b, vhost))).into_response()
+}
+
+/// GET /api/definitions (administrators).
+pub(super) async fn get_all(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    export_response(&shared, None).await
+}
+
+/// GET /api/definitions/{vhost} (administrators).
+pub(super) async fn get_vhost(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(vhost): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    export_response(&shared, Some(&vhost)).await
+}
+
+async fn import_response(
+    shared: &std::sync::Arc<crate::node::Shared>,
+    me: &str,
+    only: Option<&str>,
+    body: &axum::body::Bytes,
+) -> Response {
+    let doc = match body_object(body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    if let Some(v) = only {
+        if !shared.query(|b| b.has_vhost(v)) {
+            return super::not_found();
+        }
+    }
+    let result = change(shared, |b, fx| {
+        import(b, fx, &doc, Some(me), only)
+            .map_err(|why| AmqpError::connection(ReplyCode::PreconditionFailed, why))
+    })
+    .await;
+    match result {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// POST /api/definitions: import (204), or 400 with the first refusal.
+pub(super) async fn post_all(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    import_response(&shared, &me, None, &body).await
+}
+
+/// POST /api/definitions/{vhost}: import a vhost's exchanges, queues and bindings into it.
+pub(super) async fn post_vhost(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(vhost): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    import_response(&shared, &me, Some(&vhost), &body).await
+}
