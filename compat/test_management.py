@@ -827,13 +827,73 @@ def test_a_definitions_document_imports_and_clients_work_as_before():
         # Again: nothing changes, nothing fails.
         status, body, _ = api("POST", "/api/definitions", data=json.dumps(doc).encode())
         assert status in (200, 201, 204), body
-        # Refusals: not JSON; a queue that is not equivalent to the one there.
+        # Not JSON: refused. A queue not equivalent to the one there is left as it is, and the
+        # rest of the document still goes in (RabbitMQ 3.10.8 answers the same).
         assert api("POST", "/api/definitions", data=b"{nope")[0] == 400
         clash = {"queues": [{"name": "shop.orders", "vhost": "shop", "durable": True,
-                             "auto_delete": False, "arguments": {"x-max-length": 5}}]}
-        assert api("POST", "/api/definitions", data=json.dumps(clash).encode())[0] == 400
+                             "auto_delete": False, "arguments": {"x-max-length": 5}},
+                            {"name": "shop.later", "vhost": "shop", "durable": True,
+                             "auto_delete": False, "arguments": {}}]}
+        assert api("POST", "/api/definitions", data=json.dumps(clash).encode())[0] == 204
+        status, orders, _ = api("GET", "/api/queues/shop/shop.orders")
+        assert orders["arguments"]["x-max-length"] == 1000
+        assert api("GET", "/api/queues/shop/shop.later")[0] == 200
+        # A missing vhost stops it.
+        missing = {"queues": [{"name": "q", "vhost": unique("novhost"), "durable": True}]}
+        assert api("POST", "/api/definitions", data=json.dumps(missing).encode())[0] == 400
     finally:
         api("DELETE", "/api/vhosts/shop")
         api("DELETE", "/api/queues/%2F/legacy")
         for u in ("shop-admin", "shop-app", "shop-monitor"):
             api("DELETE", "/api/users/" + u)
+
+
+def test_the_api_shows_and_changes_what_the_users_tags_and_permissions_allow():
+    vhost = unique("tenant")
+    manager, monitor = unique("manager"), unique("monitor")
+    assert put_vhost(vhost) == 201
+    assert put_user(manager, {"password": "pw", "tags": "management"}) == 201
+    assert put_user(monitor, {"password": "pw", "tags": "monitoring"}) == 201
+    assert put_permissions(vhost, manager, "^m-", ".*", ".*") == 201
+    as_manager = dict(user=manager, password="pw")
+    hidden = unique("hidden")
+    assert put_json("/api/queues/%2F/" + q(hidden), {"durable": False})[0] == 201
+    conn = open_connection()
+    try:
+        # A management user sees their vhosts only; a monitoring user sees everything.
+        names = lambda items: {x["name"] for x in items}
+        status, vhosts, _ = api("GET", "/api/vhosts", **as_manager)
+        assert status == 200 and names(vhosts) == {vhost}
+        status, queues, _ = api("GET", "/api/queues", **as_manager)
+        assert status == 200 and hidden not in names(queues)
+        status, queues, _ = api("GET", "/api/queues", user=monitor, password="pw")
+        assert status == 200 and hidden in names(queues)
+        status, body, _ = api("GET", "/api/queues/%2F", **as_manager)
+        assert status == 401 and body["error"] == "not_authorised"
+        assert api("GET", "/api/exchanges/%2F/amq.direct", **as_manager)[0] == 401
+        # Connections: their own only; the guest connection is not theirs to see or close.
+        status, conns, _ = api("GET", "/api/connections", **as_manager)
+        assert status == 200 and all(c["user"] == manager for c in conns)
+        status, conns, _ = api("GET", "/api/connections", user=monitor, password="pw")
+        assert any(c["user"] == USER for c in conns)
+        guest_conn = [c for c in conns if c["user"] == USER][0]["name"]
+        assert api("DELETE", "/api/connections/" + q(guest_conn), **as_manager)[0] == 404
+        assert conn.is_open
+        # Changes follow their permissions in the vhost, as the AMQP methods would.
+        base = "/api/queues/%s/" % q(vhost)
+        status, _, _ = api("PUT", base + "m-q", data=b'{"durable": true}', **as_manager)
+        assert status == 201
+        status, body, _ = api("PUT", base + "other", data=b'{"durable": true}', **as_manager)
+        assert status == 401 and body["error"] == "not_authorised"
+        assert api("DELETE", base + "m-q/contents", **as_manager)[0] == 204
+        assert api("DELETE", base + "m-q", **as_manager)[0] == 204
+        # The monitoring user reads everything but may change nothing without permissions.
+        status, _, _ = api("PUT", base + "m-x", data=b'{"durable": true}',
+                           user=monitor, password="pw")
+        assert status == 401
+    finally:
+        conn.close()
+        api("DELETE", "/api/queues/%2F/" + q(hidden))
+        api("DELETE", "/api/vhosts/" + q(vhost))
+        for u in (manager, monitor):
+            api("DELETE", "/api/users/" + q(u))

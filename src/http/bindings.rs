@@ -1,11 +1,13 @@
 //! `/api/bindings` (list, show, add, delete bindings, named by RabbitMQ's `properties_key`)
 //! and a queue's bindings, `/api/queues/{vhost}/{name}/bindings`.
 
+use super::access::{permit, Viewer};
 use super::json::{arguments, body_object, table_json};
-use super::{bad_request, change, in_vhost, no_content, not_found, Api};
+use super::{bad_request, change, in_vhost, no_content, not_found, Api, Login};
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::BindingView;
 use crate::node::Shared;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -54,8 +56,12 @@ fn binding_list(
     .into_response()
 }
 
-pub(super) async fn bindings_all(State(shared): Api) -> Response {
-    binding_list(&shared, None, |_| true)
+pub(super) async fn bindings_all(
+    State(shared): Api,
+    Extension(login): Extension<Login>,
+) -> Response {
+    let viewer = Viewer::of(&shared, &login);
+    binding_list(&shared, None, |b| viewer.sees(&b.vhost))
 }
 
 pub(super) async fn bindings_in(State(shared): Api, Path(vhost): Path<String>) -> Response {
@@ -145,6 +151,7 @@ pub(super) async fn binding_one(
 /// `arguments`: 201 and a Location naming the binding.
 pub(super) async fn add_binding(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, source, kind, dest)): BindingPath,
     body: axum::body::Bytes,
 ) -> Response {
@@ -168,6 +175,7 @@ pub(super) async fn add_binding(
         return not_found();
     }
     let result = change(&shared, |b, fx| {
+        binding_permitted(b, &me, &vhost, &source, to_queue, &dest)?;
         if to_queue {
             b.queue_bind(0, &vhost, &dest, &source, &routing_key, &args, true, fx)
         } else {
@@ -199,6 +207,7 @@ pub(super) async fn add_binding(
 /// DELETE /api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{properties_key}.
 pub(super) async fn delete_binding(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, source, kind, dest, props)): BindingKeyPath,
 ) -> Response {
     let Some(to_queue) = destination_kind(&kind) else {
@@ -215,6 +224,7 @@ pub(super) async fn delete_binding(
         let Some(v) = found else {
             return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
         };
+        binding_permitted(b, &me, &vhost, &source, to_queue, &dest)?;
         if to_queue {
             b.queue_bind(
                 0,
@@ -240,6 +250,25 @@ pub(super) async fn delete_binding(
     })
     .await;
     no_content(result)
+}
+
+/// A binding's permissions, as for queue.bind and exchange.bind: writing to the destination,
+/// then reading the source.
+fn binding_permitted(
+    b: &crate::broker::Broker,
+    me: &str,
+    vhost: &str,
+    source: &str,
+    to_queue: bool,
+    dest: &str,
+) -> Result<(), AmqpError> {
+    let kind = if to_queue {
+        Resource::Queue
+    } else {
+        Resource::Exchange
+    };
+    permit(b, me, vhost, Access::Write, kind, dest)?;
+    permit(b, me, vhost, Access::Read, Resource::Exchange, source)
 }
 
 /// Percent-encode a path segment (all but RFC 3986's unreserved characters).

@@ -1,10 +1,11 @@
 //! `/api/connections`: list, show and close client connections (from the registry).
 
+use super::access::Viewer;
 use super::json::table_json;
-use super::{node_name, not_found, Api};
+use super::{node_name, not_found, Api, Login};
 use crate::node::Shared;
 use crate::registry::ConnInfo;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -49,17 +50,33 @@ fn connection_json(shared: &Shared, c: &ConnInfo) -> Value {
     v
 }
 
-pub(super) async fn connections(State(shared): Api) -> Response {
+/// Administrators and monitoring users see every connection, the others their own (RabbitMQ).
+pub(super) async fn connections(
+    State(shared): Api,
+    Extension(login): Extension<Login>,
+) -> Response {
+    let viewer = Viewer::of(&shared, &login);
     let list: Vec<Arc<ConnInfo>> = shared.registry.list();
-    let out: Vec<Value> = list.iter().map(|c| connection_json(&shared, c)).collect();
+    let out: Vec<Value> = list
+        .iter()
+        .filter(|c| viewer.sees_connection_of(&c.details.lock().user))
+        .map(|c| connection_json(&shared, c))
+        .collect();
     Json(Value::Array(out)).into_response()
 }
 
-pub(super) async fn connection(State(shared): Api, Path(name): Path<String>) -> Response {
+pub(super) async fn connection(
+    State(shared): Api,
+    Extension(login): Extension<Login>,
+    Path(name): Path<String>,
+) -> Response {
+    let viewer = Viewer::of(&shared, &login);
     let found = shared.registry.find(&name);
     match found {
-        Some(c) => Json(connection_json(&shared, &c)).into_response(),
-        None => not_found(),
+        Some(c) if viewer.sees_connection_of(&c.details.lock().user) => {
+            Json(connection_json(&shared, &c)).into_response()
+        }
+        _ => not_found(),
     }
 }
 
@@ -67,9 +84,16 @@ pub(super) async fn connection(State(shared): Api, Path(name): Path<String>) -> 
 /// header's text ("Closed via management plugin" without one), as from RabbitMQ.
 pub(super) async fn close_connection(
     State(shared): Api,
+    Extension(login): Extension<Login>,
     headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Response {
+    // Administrators close any connection, the others their own (RabbitMQ).
+    let viewer = Viewer::of(&shared, &login);
+    match shared.registry.find(&name) {
+        Some(c) if viewer.admin || viewer.user == c.details.lock().user => {}
+        _ => return not_found(),
+    }
     let reason = headers
         .get("x-reason")
         .and_then(|v| v.to_str().ok())

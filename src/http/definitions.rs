@@ -227,8 +227,10 @@ fn arguments(m: &Map<String, Value>) -> Result<amq_protocol::types::FieldTable, 
 /// Import `doc` into the broker: users, vhosts, permissions, exchanges, queues, bindings, in
 /// that order (RabbitMQ's); into vhost `only` when given (then only its exchanges, queues and
 /// bindings, whose entries name no vhost). `creator` (the API's caller) gets full permissions
-/// on the vhosts the import creates, as creating one through the API gives. Stops at the
-/// first refusal, with why; what came before it stays (as in RabbitMQ).
+/// on the vhosts the import creates, as creating one through the API gives. As RabbitMQ 3.10
+/// does, a queue or exchange not equivalent to the one there is left as it is, and a binding
+/// whose end is missing is left out (each logged); anything else refused stops the import,
+/// with why, and what came before it stays.
 pub(crate) fn import(
     b: &mut Broker,
     fx: &mut Vec<Effect>,
@@ -343,8 +345,12 @@ pub(crate) fn import(
             internal: boolean(x, "internal")?,
             arguments: arguments(x)?,
         };
-        b.exchange_declare(&vhost, decl, fx)
-            .map_err(refused(format!("exchange {name} in vhost {vhost}")))?;
+        match b.exchange_declare(&vhost, decl, fx) {
+            Err(e) if e.code == ReplyCode::PreconditionFailed => {
+                tracing::warn!(exchange = %name, vhost = %vhost, reason = %e.text, "definitions: an exchange not equivalent to the one there is left as it is");
+            }
+            r => r.map_err(refused(format!("exchange {name} in vhost {vhost}")))?,
+        }
     }
     for q in list(doc, "queues")? {
         let q = object(q, "queues")?;
@@ -357,8 +363,14 @@ pub(crate) fn import(
             auto_delete: boolean(q, "auto_delete")?,
             arguments: arguments(q)?,
         };
-        b.queue_declare(0, &vhost, decl, fx)
-            .map_err(refused(format!("queue {name} in vhost {vhost}")))?;
+        match b.queue_declare(0, &vhost, decl, fx) {
+            Err(e) if e.code == ReplyCode::PreconditionFailed => {
+                tracing::warn!(queue = %name, vhost = %vhost, reason = %e.text, "definitions: a queue not equivalent to the one there is left as it is");
+            }
+            r => r
+                .map(|_| ())
+                .map_err(refused(format!("queue {name} in vhost {vhost}")))?,
+        }
     }
     for x in list(doc, "bindings")? {
         let x = object(x, "bindings")?;
@@ -368,7 +380,7 @@ pub(crate) fn import(
         let routing_key = optional_string(x, "routing_key")?.unwrap_or_default();
         let args = arguments(x)?;
         let what = format!("binding of {source} to {destination} in vhost {vhost}");
-        match optional_string(x, "destination_type")?.as_deref() {
+        let bound = match optional_string(x, "destination_type")?.as_deref() {
             Some("queue") | None => b.queue_bind(
                 0,
                 &vhost,
@@ -383,8 +395,13 @@ pub(crate) fn import(
                 b.exchange_bind(&vhost, &destination, &source, &routing_key, &args, true, fx)
             }
             Some(other) => return Err(format!("{what}: unknown destination_type {other}")),
+        };
+        match bound {
+            Err(e) if e.code == ReplyCode::NotFound => {
+                tracing::warn!(reason = %e.text, "definitions: {what} left out");
+            }
+            r => r.map_err(refused(what))?,
         }
-        .map_err(refused(what))?;
     }
     Ok(())
 }

@@ -1,10 +1,12 @@
 //! `/api/exchanges`: list, show, declare (PUT) and delete exchanges.
 
+use super::access::{permit, Viewer};
 use super::json::{arguments, body_object, flag, table_json};
-use super::{bad_request, change, in_vhost, no_content, not_found, Api, DeleteQuery};
+use super::{bad_request, change, in_vhost, no_content, not_found, Api, DeleteQuery, Login};
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::{ExchangeDeclare, ExchangeView};
 use crate::node::Shared;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -28,8 +30,19 @@ fn exchange_list(shared: &Shared, vhost: Option<&str>) -> Response {
     Json(Value::Array(list.iter().map(exchange_json).collect())).into_response()
 }
 
-pub(super) async fn exchanges_all(State(shared): Api) -> Response {
-    exchange_list(&shared, None)
+pub(super) async fn exchanges_all(
+    State(shared): Api,
+    Extension(login): Extension<Login>,
+) -> Response {
+    let viewer = Viewer::of(&shared, &login);
+    let list = shared.query(|b| b.exchange_views(None));
+    Json(Value::Array(
+        list.iter()
+            .filter(|x| viewer.sees(&x.vhost))
+            .map(exchange_json)
+            .collect(),
+    ))
+    .into_response()
 }
 
 pub(super) async fn exchanges_in(State(shared): Api, Path(vhost): Path<String>) -> Response {
@@ -50,6 +63,7 @@ pub(super) async fn exchange(
 /// PUT /api/exchanges/{vhost}/{name}: declare (201 when created, 204 when it was there).
 pub(super) async fn put_exchange(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Response {
@@ -89,6 +103,7 @@ pub(super) async fn put_exchange(
         if !b.has_vhost(&vhost) {
             return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
         }
+        permit(b, &me, &vhost, Access::Configure, Resource::Exchange, &name)?;
         let existed = b.exchange_exists(&vhost, &name);
         b.exchange_declare(&vhost, declare, fx).map(|_| existed)
     })
@@ -103,6 +118,7 @@ pub(super) async fn put_exchange(
 /// DELETE /api/exchanges/{vhost}/{name} (`?if-unused=true`).
 pub(super) async fn delete_exchange(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
     Query(query): Query<DeleteQuery>,
 ) -> Response {
@@ -110,6 +126,7 @@ pub(super) async fn delete_exchange(
         if !b.exchange_exists(&vhost, &name) {
             return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
         }
+        permit(b, &me, &vhost, Access::Configure, Resource::Exchange, &name)?;
         b.exchange_delete(
             &vhost,
             &name,

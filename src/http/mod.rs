@@ -11,6 +11,7 @@
 //! resources share: the vhost check, changes made through the core, the JSON error answers.
 //! Each resource (RabbitMQ's path under `/api/`) has its own file.
 
+mod access;
 mod bindings;
 mod cluster;
 mod connections;
@@ -351,6 +352,13 @@ async fn require_login(
                     Json(json!({"error": "not_authorised", "reason": "Not management user"})),
                 )
                     .into_response();
+            }
+            // A vhost's queues, exchanges and bindings only for those who may see the vhost.
+            if let Some(vhost) = access::path_vhost(req.uri().path()) {
+                let viewer = access::Viewer::of(&shared, &Login(user.clone()));
+                if !viewer.sees(&vhost) && shared.query(|b| b.has_vhost(&vhost)) {
+                    return access::not_authorised_vhost();
+                }
             }
             req.extensions_mut().insert(Login(user));
             next.run(req).await

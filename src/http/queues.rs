@@ -1,11 +1,15 @@
 //! `/api/queues`: list, show, declare (PUT), delete and purge (`/contents`) queues.
 //! A queue's bindings (`/api/queues/{vhost}/{name}/bindings`) are listed in `bindings.rs`.
 
+use super::access::{permit, Viewer};
 use super::json::{arguments, body_object, flag, table_json};
-use super::{bad_request, change, in_vhost, no_content, node_name, not_found, Api, DeleteQuery};
+use super::{
+    bad_request, change, in_vhost, no_content, node_name, not_found, Api, DeleteQuery, Login,
+};
+use crate::broker::permissions::{Access, Resource};
 use crate::broker::{QueueDeclare, QueueView};
 use crate::node::Shared;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -40,8 +44,17 @@ fn queue_list(shared: &Shared, vhost: Option<&str>) -> Response {
     .into_response()
 }
 
-pub(super) async fn queues_all(State(shared): Api) -> Response {
-    queue_list(&shared, None)
+pub(super) async fn queues_all(State(shared): Api, Extension(login): Extension<Login>) -> Response {
+    let viewer = Viewer::of(&shared, &login);
+    let node = node_name();
+    let list = shared.query(|b| b.queue_views(None));
+    Json(Value::Array(
+        list.iter()
+            .filter(|q| viewer.sees(&q.vhost))
+            .map(|q| queue_json(&node, q))
+            .collect(),
+    ))
+    .into_response()
 }
 
 pub(super) async fn queues_in(State(shared): Api, Path(vhost): Path<String>) -> Response {
@@ -62,6 +75,7 @@ pub(super) async fn queue(
 /// PUT /api/queues/{vhost}/{name}: declare (201 when created, 204 when it was there).
 pub(super) async fn put_queue(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Response {
@@ -99,6 +113,7 @@ pub(super) async fn put_queue(
         if !b.has_vhost(&vhost) {
             return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
         }
+        permit(b, &me, &vhost, Access::Configure, Resource::Queue, &name)?;
         let existed = b.queue_info(&vhost, &name).is_some();
         b.queue_declare(0, &vhost, declare, fx).map(|_| existed)
     })
@@ -113,6 +128,7 @@ pub(super) async fn put_queue(
 /// DELETE /api/queues/{vhost}/{name} (`?if-unused=true`, `?if-empty=true`).
 pub(super) async fn delete_queue(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
     Query(query): Query<DeleteQuery>,
 ) -> Response {
@@ -121,6 +137,7 @@ pub(super) async fn delete_queue(
         if b.queue_info(&vhost, &name).is_none() {
             return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
         }
+        permit(b, &me, &vhost, Access::Configure, Resource::Queue, &name)?;
         b.queue_delete(
             0,
             &vhost,
@@ -137,12 +154,14 @@ pub(super) async fn delete_queue(
 /// DELETE /api/queues/{vhost}/{name}/contents: purge.
 pub(super) async fn purge_queue(
     State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Response {
     let result = change(&shared, |b, fx| {
         if b.queue_info(&vhost, &name).is_none() {
             return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
         }
+        permit(b, &me, &vhost, Access::Read, Resource::Queue, &name)?;
         b.queue_purge(0, &vhost, &name, fx)
     })
     .await;

@@ -31,12 +31,28 @@ fn vhost_json(v: &VhostInfo) -> Value {
     })
 }
 
-pub(super) async fn vhosts(State(shared): Api) -> Response {
+/// Every vhost for administrators and monitoring users, the others' own (RabbitMQ).
+pub(super) async fn vhosts(State(shared): Api, Extension(login): Extension<Login>) -> Response {
+    let viewer = super::access::Viewer::of(&shared, &login);
     let list = shared.query(|b| b.vhost_infos());
-    Json(Value::Array(list.iter().map(vhost_json).collect())).into_response()
+    Json(Value::Array(
+        list.iter()
+            .filter(|v| viewer.sees(&v.name))
+            .map(vhost_json)
+            .collect(),
+    ))
+    .into_response()
 }
 
-pub(super) async fn vhost(State(shared): Api, Path(name): Path<String>) -> Response {
+/// One vhost: administrators only (RabbitMQ 3.10 answers others 401, even for their own).
+pub(super) async fn vhost(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(name): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
     let found = shared.query(|b| b.vhost_infos().into_iter().find(|v| v.name == name));
     match found {
         Some(v) => Json(vhost_json(&v)).into_response(),

@@ -1,0 +1,109 @@
+//! Who sees and changes what through the API, as RabbitMQ's management plugin decides it: by
+//! the user's tags (administrator and monitoring see every vhost and every connection;
+//! management and policymaker only the vhosts they have permissions on, and their own
+//! connections), and by their permissions for every change of a queue, exchange or binding
+//! (RabbitMQ makes those changes as AMQP methods of the user, so the access-control table
+//! applies to administrators too).
+
+use super::Login;
+use crate::broker::permissions::{refusal, Access, Resource};
+use crate::broker::Broker;
+use crate::node::Shared;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use std::collections::BTreeSet;
+use warren_protocol::reply::AmqpError;
+
+/// What one logged-in user may see.
+pub(super) struct Viewer {
+    pub user: String,
+    pub admin: bool,
+    /// Administrator or monitoring: every vhost, every connection.
+    pub sees_all: bool,
+    /// The vhosts they have permissions on (for the others).
+    vhosts: BTreeSet<String>,
+}
+
+impl Viewer {
+    pub fn of(shared: &Shared, Login(user): &Login) -> Viewer {
+        shared.query(|b| {
+            let tags = b.user(user).map(|u| u.tags.clone()).unwrap_or_default();
+            let has = |t: &str| tags.iter().any(|x| x == t);
+            Viewer {
+                user: user.clone(),
+                admin: has("administrator"),
+                sees_all: has("administrator") || has("monitoring"),
+                vhosts: b
+                    .permission_list()
+                    .into_iter()
+                    .filter(|(u, _, _)| u == user)
+                    .map(|(_, v, _)| v)
+                    .collect(),
+            }
+        })
+    }
+
+    /// Whether the objects of `vhost` are theirs to see.
+    pub fn sees(&self, vhost: &str) -> bool {
+        self.sees_all || self.vhosts.contains(vhost)
+    }
+
+    /// Whether a connection of `user` is theirs to see.
+    pub fn sees_connection_of(&self, user: &str) -> bool {
+        self.sees_all || self.user == user
+    }
+}
+
+/// RabbitMQ's answer to a request about a vhost the user may not see.
+pub(super) fn not_authorised_vhost() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        Json(json!({
+            "error": "not_authorised",
+            "reason": "User not authorised to access virtual host",
+        })),
+    )
+        .into_response()
+}
+
+/// The vhost a request's path names, for the endpoints of a vhost's queues, exchanges and
+/// bindings (`/api/queues/{vhost}...`); the others check their own.
+pub(super) fn path_vhost(path: &str) -> Option<String> {
+    let rest = path.strip_prefix("/api/")?;
+    let mut parts = rest.split('/');
+    match parts.next()? {
+        "queues" | "exchanges" | "bindings" => {
+            let raw = parts.next()?;
+            percent_encoding::percent_decode_str(raw)
+                .decode_utf8()
+                .ok()
+                .map(|s| s.into_owned())
+        }
+        _ => None,
+    }
+}
+
+/// The permission check of an AMQP method, for the same change made through the API (inside
+/// the core call that makes it, so both see the same state): 401 `Access refused.` otherwise.
+pub(super) fn permit(
+    b: &Broker,
+    user: &str,
+    vhost: &str,
+    access: Access,
+    resource: Resource,
+    name: &str,
+) -> Result<(), AmqpError> {
+    let name = if name.is_empty() && resource == Resource::Exchange {
+        "amq.default"
+    } else {
+        name
+    };
+    match b.permissions(user, vhost) {
+        Some(p) if p.allows(access, name) => Ok(()),
+        _ => Err(AmqpError::access_refused(refusal(
+            resource, name, vhost, user,
+        ))),
+    }
+}
