@@ -652,7 +652,7 @@ def test_methods_are_checked_against_permissions_as_rabbitmq_checks_them():
     user = unique("u")
     prefix = user + "-"
     other = unique("other")
-    assert put_user(user, {"password": "pw", "tags": ""}) == 201
+    assert put_user(user, {"password": "pw", "tags": "management"}) == 201
     assert put_permissions("/", user, "^" + prefix, "^" + prefix, "^" + prefix) == 201
     admin = open_connection()
     conn = pika.BlockingConnection(make_params(credentials=pika.PlainCredentials(user, "pw")))
@@ -707,6 +707,19 @@ def test_methods_are_checked_against_permissions_as_rabbitmq_checks_them():
         refused(lambda ch: ch.queue_declare(queue=prefix + "dl",
                                             arguments={"x-dead-letter-exchange": "amq.fanout"}),
                 "exchange", "amq.fanout")
+        # An alternate exchange: writing to it is checked at the declare.
+        refused(lambda ch: ch.exchange_declare(exchange=prefix + "ae-x",
+                                               arguments={"alternate-exchange": "amq.fanout"}),
+                "exchange", "amq.fanout")
+        # The same through the API (RabbitMQ makes it an AMQP declare of the user's).
+        as_user = dict(user=user, password="pw")
+        body = json.dumps({"durable": False, "arguments": {"x-dead-letter-exchange": "amq.fanout"}})
+        status, answer, _ = api("PUT", "/api/queues/%2F/" + q(prefix + "dl2"),
+                                data=body.encode(), **as_user)
+        assert status == 401 and answer["reason"] == "Access refused.", answer
+        # Direct reply-to needs no permission (RabbitMQ checks none there).
+        rpc = conn.channel()
+        rpc.basic_consume(queue="amq.rabbitmq.reply-to", on_message_callback=print, auto_ack=True)
         # A missing exchange they may write to is 404; one they may not, 403.
         ch = conn.channel()
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
@@ -897,3 +910,90 @@ def test_the_api_shows_and_changes_what_the_users_tags_and_permissions_allow():
         api("DELETE", "/api/vhosts/" + q(vhost))
         for u in (manager, monitor):
             api("DELETE", "/api/users/" + q(u))
+
+
+def test_vhost_limits_are_answered_as_rabbitmq_answers_them():
+    vhost = unique("limited")
+    other = unique("free")
+    assert put_vhost(vhost) == 201 and put_vhost(other) == 201
+    path = "/api/vhost-limits/%s/" % q(vhost)
+    conns = []
+    try:
+        assert api("PUT", path + "max-connections", data=b'{"value": 2}')[0] == 204
+        assert api("PUT", path + "max-queues", data=b'{"value": 1}')[0] == 204
+        status, body, _ = api("GET", "/api/vhost-limits/" + q(vhost))
+        assert status == 200 and body == [{"vhost": vhost,
+                                           "value": {"max-connections": 2, "max-queues": 1}}]
+        status, body, _ = api("PUT", path + "max-foo", data=b'{"value": 2}')
+        assert status == 400 and "Unrecognised terms" in body["reason"]
+        status, body, _ = api("PUT", path + "max-queues", data=b'{"value": "x"}')
+        assert status == 400 and "should be a number" in body["reason"]
+        # Two connections, then 530 (a connection error at connection.open).
+        conns = [vhost_connection(vhost) for _ in range(2)]
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as e:
+            vhost_connection(vhost)
+        assert ("access to vhost '%s' refused for user '%s': connection limit (2) is reached"
+                % (vhost, USER)) in str(e.value)
+        # One queue, then 406 on the channel; the connection carries on, a redeclare works.
+        ch = conns[0].channel()
+        ch.queue_declare(queue="first")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            ch.queue_declare(queue="second")
+        assert e.value.reply_code == 406
+        assert e.value.reply_text == ("PRECONDITION_FAILED - cannot declare queue 'second': "
+                                      "queue limit in vhost '%s' (1) is reached" % vhost)
+        conns[0].channel().queue_declare(queue="first")
+        # The other tenant is untouched.
+        others = [vhost_connection(other) for _ in range(3)]
+        for c in others:
+            c.channel().queue_declare(queue="", exclusive=True)
+            c.close()
+        # Lifted: -1 is no limit; a removed limit is gone.
+        assert api("PUT", path + "max-connections", data=b'{"value": -1}')[0] == 204
+        assert api("DELETE", path + "max-queues")[0] == 204
+        conns.append(vhost_connection(vhost))
+        conns[0].channel().queue_declare(queue="second")
+    finally:
+        for c in conns:
+            if c.is_open:
+                c.close()
+        api("DELETE", "/api/vhosts/" + q(vhost))
+        api("DELETE", "/api/vhosts/" + q(other))
+
+
+def test_user_limits_are_answered_as_rabbitmq_answers_them():
+    user = unique("limited-user")
+    assert put_user(user, {"password": "pw", "tags": ""}) == 201
+    assert put_permissions("/", user, ".*", ".*", ".*") == 201
+    path = "/api/user-limits/%s/" % q(user)
+    params = make_params(credentials=pika.PlainCredentials(user, "pw"))
+    conn = None
+    try:
+        assert api("PUT", path + "max-connections", data=b'{"value": 1}')[0] == 204
+        assert api("PUT", path + "max-channels", data=b'{"value": 2}')[0] == 204
+        status, u, _ = api("GET", "/api/users/" + q(user))
+        assert u["limits"] == {"max-channels": 2, "max-connections": 1}
+        conn = pika.BlockingConnection(params)
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as e:
+            pika.BlockingConnection(params)
+        assert ("connection refused for user '%s': user connection limit (1) is reached"
+                % user) in str(e.value)
+        conn.channel()
+        conn.channel()
+        # A third channel closes the whole connection (530).
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as e:
+            conn.channel()
+        assert e.value.reply_code == 530
+        assert e.value.reply_text == ("NOT_ALLOWED - number of channels opened for user '%s' "
+                                      "has reached the maximum allowed user limit of (2)" % user)
+        assert api("DELETE", path + "max-connections")[0] == 204
+        assert api("DELETE", path + "max-channels")[0] == 204
+        a, b = pika.BlockingConnection(params), pika.BlockingConnection(params)
+        for _ in range(3):
+            a.channel()
+        a.close()
+        b.close()
+    finally:
+        if conn is not None and conn.is_open:
+            conn.close()
+        api("DELETE", "/api/users/" + q(user))

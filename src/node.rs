@@ -14,7 +14,7 @@ use parking_lot::{Mutex, RwLock};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::watch;
-use tracing::info;
+use tracing::{info, warn};
 
 /// State shared by all connections.
 pub struct Shared {
@@ -585,9 +585,22 @@ fn broker_from(recovered: &warren_storage::Recovered) -> anyhow::Result<(Broker,
     broker.set_clock(crate::clock::now_ms());
     let mut fx = Vec::new();
     for op in &recovered.ops {
-        broker
-            .apply(op, &mut fx)
-            .map_err(|e| anyhow::anyhow!("replaying {op:?}: {e}"))?;
+        match broker.apply(op, &mut fx) {
+            Ok(()) => {}
+            // What names a user or vhost a repaired store (--recover-damaged) lost is left
+            // out, said in the log, rather than stop the start.
+            Err(e)
+                if matches!(
+                    op,
+                    warren_storage::Op::SetPermissions { .. }
+                        | warren_storage::Op::PutVhostLimits { .. }
+                        | warren_storage::Op::PutUserLimits { .. }
+                ) =>
+            {
+                warn!(error = %e.text, ?op, "a stored permission or limit names a user or vhost the store lacks: left out");
+            }
+            Err(e) => anyhow::bail!("replaying {op:?}: {e}"),
+        }
     }
     // From here on every change is journaled (replayed definitions were not: they are what
     // the store holds).

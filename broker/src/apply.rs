@@ -306,8 +306,14 @@ impl Broker {
             }
             Op::DeleteUser { name } => {
                 self.replicated.users.remove(name);
-                // Their permissions go with them (derived, in order).
+                // Their permissions and limits go with them (derived, in order).
                 self.clear_permissions(|u, _| u == name);
+                if self.replicated.user_limits.remove(name).is_some() && self.log.enabled {
+                    self.log.write(Op::PutUserLimits {
+                        user: name.clone(),
+                        limits: Vec::new(),
+                    });
+                }
             }
             Op::PutVhost {
                 name,
@@ -346,6 +352,42 @@ impl Broker {
             }
             Op::ClearPermissions { user, vhost } => {
                 self.clear_permissions(|u, v| u == user && v == vhost);
+            }
+            Op::PutVhostLimits { vhost, limits } => {
+                if !self.has_vhost(vhost) {
+                    return Err(AmqpError::connection(
+                        warren_protocol::ReplyCode::NotFound,
+                        "vhost_not_found",
+                    ));
+                }
+                if limits.is_empty() {
+                    self.replicated.vhost_limits.remove(vhost);
+                } else {
+                    self.replicated
+                        .vhost_limits
+                        .insert(vhost.clone(), limits.clone());
+                }
+                if self.log.enabled {
+                    self.log.write(op.clone());
+                }
+            }
+            Op::PutUserLimits { user, limits } => {
+                if !self.replicated.users.contains_key(user) {
+                    return Err(AmqpError::connection(
+                        warren_protocol::ReplyCode::NotFound,
+                        "no_such_user",
+                    ));
+                }
+                if limits.is_empty() {
+                    self.replicated.user_limits.remove(user);
+                } else {
+                    self.replicated
+                        .user_limits
+                        .insert(user.clone(), limits.clone());
+                }
+                if self.log.enabled {
+                    self.log.write(op.clone());
+                }
             }
         }
         Ok(())
@@ -468,6 +510,12 @@ impl Broker {
         }
         self.replicated.vhosts.remove(name);
         self.clear_permissions(|_, v| v == name);
+        if self.replicated.vhost_limits.remove(name).is_some() && self.log.enabled {
+            self.log.write(Op::PutVhostLimits {
+                vhost: name.to_string(),
+                limits: Vec::new(),
+            });
+        }
         if self.log.enabled {
             self.log.write(op.clone());
         }

@@ -164,6 +164,8 @@ pub const DELIVERY_BUDGET: i64 = 4 * 1024 * 1024;
 #[derive(Debug)]
 struct ConnState {
     vhost: String,
+    /// Who logged in (user limits count by it).
+    user: String,
     channels: FxHashMap<u16, ChannelState>,
     budget: i64,
     throttled: bool,
@@ -256,6 +258,9 @@ struct Replicated {
     vhosts_recorded: bool,
     /// Permissions by (user, vhost) (sorted: cascades remove them in a stable order).
     permissions: std::collections::BTreeMap<(String, String), Arc<permissions::Permissions>>,
+    /// Limits by vhost and by user (`Op::PutVhostLimits`, `Op::PutUserLimits`).
+    vhost_limits: std::collections::BTreeMap<String, Vec<(String, i64)>>,
+    user_limits: std::collections::BTreeMap<String, Vec<(String, i64)>>,
 }
 
 /// Leader-local state: what the broker serving clients keeps for them.
@@ -334,6 +339,14 @@ pub fn decode_table(b: &[u8]) -> Result<FieldTable, AmqpError> {
     amq_protocol::types::parsing::parse_field_table(b)
         .map(|(_, t)| t)
         .map_err(|_| AmqpError::new(warren_protocol::ReplyCode::InternalError, "bad field table"))
+}
+
+/// A limit from a list of them: None when absent or negative.
+fn limit_in(limits: Option<&Vec<(String, i64)>>, name: &str) -> Option<u64> {
+    limits?
+        .iter()
+        .find(|(k, _)| k == name)
+        .and_then(|(_, v)| u64::try_from(*v).ok())
 }
 
 fn random_name(prefix: &str) -> String {
@@ -438,6 +451,8 @@ impl Broker {
                 users: Default::default(),
                 vhosts_recorded: false,
                 permissions: Default::default(),
+                vhost_limits: Default::default(),
+                user_limits: Default::default(),
             },
             local: Local {
                 conns: FxHashMap::default(),
@@ -533,6 +548,52 @@ impl Broker {
             .server_name
             .get_or_insert_with(|| random_name("amq.gen-"))
             .clone()
+    }
+
+    /// Limit `name` of `vhost`: None when not set or negative (RabbitMQ: no limit).
+    pub fn vhost_limit(&self, vhost: &str, name: &str) -> Option<u64> {
+        limit_in(self.replicated.vhost_limits.get(vhost), name)
+    }
+
+    /// Limit `name` of `user` (as `vhost_limit`).
+    pub fn user_limit(&self, user: &str, name: &str) -> Option<u64> {
+        limit_in(self.replicated.user_limits.get(user), name)
+    }
+
+    /// Every vhost's limits, by vhost.
+    pub fn vhost_limits(&self) -> Vec<(String, Vec<(String, i64)>)> {
+        self.replicated
+            .vhost_limits
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Every user's limits, by user.
+    pub fn user_limits(&self) -> Vec<(String, Vec<(String, i64)>)> {
+        self.replicated
+            .user_limits
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Open connections to `vhost`.
+    pub fn connections_in(&self, vhost: &str) -> usize {
+        self.local
+            .conns
+            .values()
+            .filter(|c| c.vhost == vhost)
+            .count()
+    }
+
+    /// Open connections of `user`, and their open channels (every vhost).
+    pub fn usage_of(&self, user: &str) -> (usize, usize) {
+        self.local
+            .conns
+            .values()
+            .filter(|c| c.user == user)
+            .fold((0, 0), |(n, ch), c| (n + 1, ch + c.channels.len()))
     }
 
     /// See `Local::permissions_generation`.
@@ -749,7 +810,9 @@ impl Broker {
             | Op::PutVhost { .. }
             | Op::DeleteVhost { .. }
             | Op::SetPermissions { .. }
-            | Op::ClearPermissions { .. } => true,
+            | Op::ClearPermissions { .. }
+            | Op::PutVhostLimits { .. }
+            | Op::PutUserLimits { .. } => true,
         }
     }
 
@@ -1003,12 +1066,18 @@ impl Broker {
 
     /// Register a new connection on a vhost; returns its id.
     pub fn connection_open(&mut self, vhost: &str) -> ConnId {
+        self.connection_open_for(vhost, "")
+    }
+
+    /// A connection of `user` to `vhost` (see `connection_open`).
+    pub fn connection_open_for(&mut self, vhost: &str, user: &str) -> ConnId {
         let id = self.local.next_conn_id;
         self.local.next_conn_id += 1;
         self.local.conns.insert(
             id,
             ConnState {
                 vhost: vhost.to_string(),
+                user: user.to_string(),
                 channels: FxHashMap::default(),
                 budget: DELIVERY_BUDGET,
                 throttled: false,
@@ -1456,6 +1525,15 @@ impl Broker {
             }
             args::check_equivalent(&what, &d.arguments, &q.arguments)?;
             return Ok(self.info(id));
+        }
+        // A vhost's max-queues counts every queue in it (exclusive and server-named too).
+        if let Some(max) = self.vhost_limit(vhost, "max-queues") {
+            if self.vhost(vhost)?.queues.len() as u64 >= max {
+                return Err(AmqpError::precondition_failed(format!(
+                    "cannot declare queue '{}': queue limit in vhost '{vhost}' ({max}) is reached",
+                    d.name
+                )));
+            }
         }
         args::validate(
             &qname(vhost, &d.name),

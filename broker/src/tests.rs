@@ -986,6 +986,7 @@ mod replay_property {
         DeleteUser,
         SetPermissions(u8),
         ClearPermissions,
+        Limits(i8),
     }
 
     fn pick() -> impl Strategy<Value = Pick> {
@@ -1023,6 +1024,7 @@ mod replay_property {
             Just(Pick::DeleteUser),
             (0..2u8).prop_map(Pick::SetPermissions),
             Just(Pick::ClearPermissions),
+            (-1..3i8).prop_map(Pick::Limits),
         ]
     }
 
@@ -1168,6 +1170,15 @@ mod replay_property {
                 Pick::ClearPermissions => Op::ClearPermissions {
                     user: "u".into(),
                     vhost: "/".into(),
+                },
+                // A vhost's limits (gone with it); 0 clears them.
+                Pick::Limits(n) => Op::PutVhostLimits {
+                    vhost: "/".into(),
+                    limits: if *n == 0 {
+                        vec![]
+                    } else {
+                        vec![("max-queues".into(), *n as i64)]
+                    },
                 },
             })
             .collect()

@@ -9,6 +9,9 @@ use super::{encode_table, Broker};
 use bytes::Bytes;
 use warren_storage::{BindingDest, Op};
 
+/// A vhost's or user's name and its limits.
+pub type NamedLimits = (String, Vec<(String, i64)>);
+
 /// One durable definition or message, in a stable order (see `Broker::replicated_view`).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct ReplicatedView {
@@ -16,6 +19,8 @@ pub struct ReplicatedView {
     pub vhosts: Vec<(String, String, Vec<String>)>,
     /// (user, vhost, configure, write, read) of every permission.
     pub permissions: Vec<(String, String, String, String, String)>,
+    /// Limits by vhost, then by user.
+    pub limits: (Vec<NamedLimits>, Vec<NamedLimits>),
     /// (vhost, name, kind, auto_delete, internal, arguments) of durable exchanges.
     pub exchanges: Vec<(String, String, String, bool, bool, Bytes)>,
     /// (vhost, name, auto_delete, arguments) of stored queues, with their persistent ready
@@ -64,6 +69,7 @@ impl Broker {
                 .into_iter()
                 .map(|(u, v, p)| (u, v, p.configure.clone(), p.write.clone(), p.read.clone()))
                 .collect(),
+            limits: (self.vhost_limits(), self.user_limits()),
             exchanges: Vec::new(),
             queues: Vec::new(),
             bindings: Vec::new(),
@@ -225,6 +231,12 @@ impl Broker {
                 write: p.write.clone(),
                 read: p.read.clone(),
             });
+        }
+        for (vhost, limits) in self.vhost_limits() {
+            ops.push(Op::PutVhostLimits { vhost, limits });
+        }
+        for (user, limits) in self.user_limits() {
+            ops.push(Op::PutUserLimits { user, limits });
         }
         for (_, q) in &queues {
             for (key, m, expires_at) in q.ready_messages()? {

@@ -57,9 +57,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use warren_storage::codec::{
-    decode_entity_key, entity_key, BindingKey, ExchangeRecord, MessageEntry, MessageRecord,
-    PermissionRecord, QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX, EXCHANGE_PREFIX,
-    PERMISSION_PREFIX, QUEUE_PREFIX, SHARED_TAG, USER_PREFIX, VHOST_PREFIX,
+    decode_entity_key, entity_key, BindingKey, ExchangeRecord, LimitsRecord, MessageEntry,
+    MessageRecord, PermissionRecord, QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX,
+    EXCHANGE_PREFIX, PERMISSION_PREFIX, QUEUE_PREFIX, SHARED_TAG, USER_LIMITS_PREFIX, USER_PREFIX,
+    VHOST_LIMITS_PREFIX, VHOST_PREFIX,
 };
 use warren_storage::op::{BindingDest, Op};
 use warren_storage::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -988,6 +989,27 @@ impl View<'_> {
                     b.logged(self)?
                         .delete_cf(&meta, entity_key(PERMISSION_PREFIX, vhost, user));
                 }
+                Op::PutVhostLimits {
+                    vhost: name,
+                    limits,
+                }
+                | Op::PutUserLimits { user: name, limits } => {
+                    let prefix = if matches!(op, Op::PutVhostLimits { .. }) {
+                        VHOST_LIMITS_PREFIX
+                    } else {
+                        USER_LIMITS_PREFIX
+                    };
+                    let key = entity_key(prefix, "", name);
+                    let batch = b.logged(self)?;
+                    if limits.is_empty() {
+                        batch.delete_cf(&meta, key);
+                    } else {
+                        let rec = LimitsRecord {
+                            limits: limits.clone(),
+                        };
+                        batch.put_cf(&meta, key, rec.encode());
+                    }
+                }
             }
         }
         if let Some(a) = applied {
@@ -1042,6 +1064,14 @@ impl View<'_> {
         for (_, vhost, user, v) in self.meta_entities(PERMISSION_PREFIX)? {
             let p = PermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::set_permissions(&vhost, &user, &p));
+        }
+        for (_, _, name, v) in self.meta_entities(VHOST_LIMITS_PREFIX)? {
+            let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_vhost_limits(&name, &l));
+        }
+        for (_, _, name, v) in self.meta_entities(USER_LIMITS_PREFIX)? {
+            let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_user_limits(&name, &l));
         }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
@@ -1227,6 +1257,14 @@ impl View<'_> {
         for (vhost, user, v) in entities(PERMISSION_PREFIX)? {
             let p = PermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::set_permissions(&vhost, &user, &p));
+        }
+        for (_, name, v) in entities(VHOST_LIMITS_PREFIX)? {
+            let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_vhost_limits(&name, &l));
+        }
+        for (_, name, v) in entities(USER_LIMITS_PREFIX)? {
+            let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            ops.push(warren_storage::op::put_user_limits(&name, &l));
         }
         for (vhost, name, v) in entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;

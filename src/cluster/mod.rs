@@ -331,10 +331,18 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     // formed, or waiting to be added) has not joined either: it forms the cluster, or grows,
     // or waits, as on a first start.
     let known_incarnation = log.get_meta_json::<u64>("incarnation")?;
+    // A node being added gets a snapshot before any entry: a vote, or a snapshot file
+    // (installed, or being installed), also means it joined.
     let never_joined = known_incarnation.is_none() || {
         use openraft::storage::RaftLogStorage;
         let state = log.clone().get_log_state().await?;
-        state.last_log_id.is_none() && state.last_purged_log_id.is_none()
+        let snapshots = shared.config.data_dir.join("raft-snapshot");
+        state.last_log_id.is_none()
+            && state.last_purged_log_id.is_none()
+            && log.clone().read_vote().await?.is_none()
+            && !sm::SNAPSHOT_FILES
+                .iter()
+                .any(|f| snapshots.join(f).exists())
     };
     // No amnesiac votes: a node that was a member and lost its log must not vote as if it had
     // never acknowledged anything (the members' record of it says), and a new log never forms

@@ -63,6 +63,8 @@ const INSTALLING: &str = "installing";
 /// never ahead of the store (a node stopped part way installs `incoming` again at start, or
 /// `current` if it stopped after the rename).
 const INCOMING: &str = "incoming";
+/// The files whose presence shows a node holds (or is installing) a snapshot.
+pub const SNAPSHOT_FILES: [&str; 3] = [CURRENT, INSTALLING, INCOMING];
 /// Prefixes of files being built or received (removed at start: never complete).
 pub const BUILDING: &str = "building-";
 pub const RECEIVING: &str = "receiving-";
@@ -223,6 +225,14 @@ impl warren_storage::SnapshotSink for Definitions<'_> {
                 Op::SetPermissions { user, vhost, .. } => {
                     self.0.push(Op::ClearPermissions { user, vhost })
                 }
+                Op::PutVhostLimits { vhost, .. } => self.0.push(Op::PutVhostLimits {
+                    vhost,
+                    limits: Vec::new(),
+                }),
+                Op::PutUserLimits { user, .. } => self.0.push(Op::PutUserLimits {
+                    user,
+                    limits: Vec::new(),
+                }),
                 Op::Enqueue { .. } => return Ok(false),
                 _ => {}
             }

@@ -86,9 +86,12 @@ impl Session {
         let queue = self.resolve_queue(ch, c.queue.as_str())?;
         let conn = self.conn;
         core(&self.shared, &mut self.ctx, |b, fx| {
-            let (user, vhost) = (&self.user, &self.vhost);
-            self.grant
-                .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
+            // Direct reply-to is no queue of the vhost: RabbitMQ checks nothing there.
+            if queue != crate::broker::REPLY_TO {
+                let (user, vhost) = (&self.user, &self.vhost);
+                self.grant
+                    .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
+            }
             // Deliveries the subscription causes land in `fx` and go out after consume-ok.
             let tag = b.consume(
                 conn,
@@ -266,7 +269,7 @@ impl Session {
             }
             return Ok(());
         }
-        let (rejected, staged, held) = self.route_message(ch, msg, mandatory)?;
+        let (rejected, staged, held) = self.route_message(ch, msg, mandatory, true)?;
         for q in held {
             if !self.hold.contains(&q) {
                 self.hold.push(q);
@@ -303,22 +306,27 @@ impl Session {
     /// Returns whether a queue refused the message (x-overflow reject-publish), whether a
     /// queue staged it past its in-memory window, and the queues that hold it past their
     /// window for their consumers.
+    /// `check`: the write permission is checked here (a transaction's messages were checked
+    /// when published, so that a commit is never partly refused).
     pub(crate) fn route_message(
         &mut self,
         ch: u16,
         msg: Arc<Message>,
         mandatory: bool,
+        check: bool,
     ) -> Result<(bool, bool, crate::broker::Targets), AmqpError> {
         core(&self.shared, &mut self.ctx, |b, fx| {
-            let (user, vhost) = (&self.user, &self.vhost);
-            self.grant.check(
-                b,
-                user,
-                vhost,
-                Access::Write,
-                Resource::Exchange,
-                exchange_or_default(&msg.exchange),
-            )?;
+            if check {
+                let (user, vhost) = (&self.user, &self.vhost);
+                self.grant.check(
+                    b,
+                    user,
+                    vhost,
+                    Access::Write,
+                    Resource::Exchange,
+                    exchange_or_default(&msg.exchange),
+                )?;
+            }
             let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
             if outcome.routed == 0 && mandatory {
                 self.outbox.method_with_content(

@@ -18,7 +18,21 @@ impl Session {
             .on_no_method());
         }
         let conn = self.conn;
-        core(&self.shared, &mut self.ctx, |b, _| b.channel_open(conn, ch));
+        let user = &self.user;
+        core(&self.shared, &mut self.ctx, |b, _| {
+            // The user's max-channels counts their channels on every connection; past it the
+            // whole connection closes (RabbitMQ: 530, no method).
+            if let Some(max) = b.user_limit(user, "max-channels") {
+                if b.usage_of(user).1 as u64 >= max {
+                    return Err(AmqpError::not_allowed(format!(
+                        "number of channels opened for user '{user}' has reached the maximum allowed user limit of ({max})"
+                    ))
+                    .on_no_method());
+                }
+            }
+            b.channel_open(conn, ch);
+            Ok(())
+        })?;
         let generation = self.next_generation;
         self.next_generation += 1;
         self.channels.insert(

@@ -295,11 +295,26 @@ impl Session {
             if !b.has_vhost(&vhost) {
                 return Err(format!("vhost {vhost} not found"));
             }
-            if b.permissions(&self.user, &vhost).is_none() {
+            let user = &self.user;
+            if b.permissions(user, &vhost).is_none() {
                 return Err(format!(
-                    "access to vhost '{vhost}' refused for user '{}'",
-                    self.user
+                    "access to vhost '{vhost}' refused for user '{user}'"
                 ));
+            }
+            // Limits, the vhost's first (RabbitMQ's order and texts).
+            if let Some(max) = b.vhost_limit(&vhost, "max-connections") {
+                if b.connections_in(&vhost) as u64 >= max {
+                    return Err(format!(
+                        "access to vhost '{vhost}' refused for user '{user}': connection limit ({max}) is reached"
+                    ));
+                }
+            }
+            if let Some(max) = b.user_limit(user, "max-connections") {
+                if b.usage_of(user).0 as u64 >= max {
+                    return Err(format!(
+                        "connection refused for user '{user}': user connection limit ({max}) is reached"
+                    ));
+                }
             }
             // RabbitMQ's connection_max, checked where RabbitMQ checks it.
             if b.connection_totals().0 >= limit {
@@ -307,7 +322,7 @@ impl Session {
                     "connection refused: node connection limit ({limit}) is reached"
                 ));
             }
-            let conn = b.connection_open(&vhost);
+            let conn = b.connection_open_for(&vhost, user);
             shared.outboxes.write().insert(conn, Arc::clone(&outbox));
             Ok(conn)
         });

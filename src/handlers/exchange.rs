@@ -7,6 +7,28 @@ use amq_protocol::protocol::exchange::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
 
+/// The `alternate-exchange` argument of an exchange.declare, if it names one.
+pub(crate) fn alternate_exchange(args: &amq_protocol::types::FieldTable) -> Option<String> {
+    match args.inner().get("alternate-exchange")? {
+        amq_protocol::types::AMQPValue::LongString(s) => {
+            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        amq_protocol::types::AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        _ => None,
+    }
+}
+
+/// The `x-dead-letter-exchange` argument of a queue.declare, if it names one.
+pub(crate) fn dead_letter_exchange(args: &amq_protocol::types::FieldTable) -> Option<String> {
+    match args.inner().get("x-dead-letter-exchange")? {
+        amq_protocol::types::AMQPValue::LongString(s) => {
+            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        amq_protocol::types::AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
+        _ => None,
+    }
+}
+
 impl Session {
     pub(crate) fn exchange_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
         match m {
@@ -47,16 +69,19 @@ impl Session {
             arguments: d.arguments,
         };
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            if !decl.passive {
+            if !decl.passive && !decl.name.is_empty() {
                 let (user, vhost) = (&self.user, &self.vhost);
-                self.grant.check(
-                    b,
-                    user,
-                    vhost,
-                    Access::Configure,
-                    Resource::Exchange,
-                    exchange_or_default(&decl.name),
-                )?;
+                let check = |access, name: &str| {
+                    self.grant
+                        .check(b, user, vhost, access, Resource::Exchange, name)
+                };
+                check(Access::Configure, &decl.name)?;
+                // An alternate exchange: reading the new one, writing to the alternate
+                // (RabbitMQ), so nobody routes into an exchange they may not write to.
+                if let Some(ae) = alternate_exchange(&decl.arguments) {
+                    check(Access::Read, &decl.name)?;
+                    check(Access::Write, exchange_or_default(&ae))?;
+                }
             }
             b.exchange_declare(&self.vhost, decl, fx)?;
             if !d.nowait {
@@ -72,15 +97,12 @@ impl Session {
     fn exchange_delete(&mut self, ch: u16, d: exchange::Delete) -> Result<(), AmqpError> {
         let name = strip_cr_lf(d.exchange.as_str());
         core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            let (user, vhost) = (&self.user, &self.vhost);
-            self.grant.check(
-                b,
-                user,
-                vhost,
-                Access::Configure,
-                Resource::Exchange,
-                exchange_or_default(&name),
-            )?;
+            // The default exchange is refused by the core first (RabbitMQ's order).
+            if !name.is_empty() {
+                let (user, vhost) = (&self.user, &self.vhost);
+                self.grant
+                    .check(b, user, vhost, Access::Configure, Resource::Exchange, &name)?;
+            }
             match b.exchange_delete(&self.vhost, &name, d.if_unused, fx) {
                 Ok(()) => {}
                 // RabbitMQ answers delete-ok for an exchange that does not exist.

@@ -114,19 +114,19 @@ impl Session {
                     decl.name.clone()
                 };
                 let (user, vhost) = (&self.user, &self.vhost);
+                let exists = b.queue_info(vhost, &name).is_some();
                 let check = |access, resource, name: &str| {
                     self.grant.check(b, user, vhost, access, resource, name)
                 };
                 check(Access::Configure, Resource::Queue, &name)?;
-                if let Some(amq_protocol::types::AMQPValue::LongString(dlx)) =
-                    decl.arguments.inner().get("x-dead-letter-exchange")
-                {
-                    check(Access::Read, Resource::Queue, &name)?;
-                    check(
-                        Access::Write,
-                        Resource::Exchange,
-                        &String::from_utf8_lossy(dlx.as_bytes()),
-                    )?;
+                // Checked when the queue is made (a redeclare changes nothing).
+                if !exists {
+                    if let Some(dlx) =
+                        crate::handlers::exchange::dead_letter_exchange(&decl.arguments)
+                    {
+                        check(Access::Read, Resource::Queue, &name)?;
+                        check(Access::Write, Resource::Exchange, exchange_or_default(&dlx))?;
+                    }
                 }
             }
             // Test hook (off unless a test sets it): a defect that panics with the broker lock

@@ -29,7 +29,7 @@ impl Session {
                 // ticket of the routing calls and of the commit itself.
                 let mut routed = None;
                 for (msg, mandatory) in work.publishes {
-                    let _ = self.route_message(ch, msg, mandatory)?;
+                    let _ = self.route_message(ch, msg, mandatory, false)?;
                     routed = routed.max(self.ctx.last_ticket);
                 }
                 let conn = self.conn;

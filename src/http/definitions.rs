@@ -103,17 +103,37 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
     doc.insert("rabbitmq_version".into(), json!("3.10.8"));
     doc.insert("product_name".into(), json!("Warren"));
     doc.insert("product_version".into(), json!(env!("CARGO_PKG_VERSION")));
+    // Vhost limits travel as RabbitMQ's runtime parameters (component "vhost-limits").
+    let parameters: Vec<Value> = b
+        .vhost_limits()
+        .iter()
+        .filter(|(v, _)| vhost.is_none_or(|only| only == v))
+        .map(|(v, limits)| {
+            json!({
+                "value": super::limits::limits_json(limits),
+                "vhost": v,
+                "component": "vhost-limits",
+                "name": "limits",
+            })
+        })
+        .collect();
     if vhost.is_none() {
+        let user_limits = b.user_limits();
         let users: Vec<Value> = b
             .users()
             .iter()
             .map(|(name, u)| {
+                let limits = user_limits
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map(|(_, l)| super::limits::limits_json(l))
+                    .unwrap_or_else(|| json!({}));
                 json!({
                     "name": name,
                     "password_hash": u.password_hash,
                     "hashing_algorithm": SHA256,
                     "tags": u.tags,
-                    "limits": {},
+                    "limits": limits,
                 })
             })
             .collect();
@@ -144,7 +164,7 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
         doc.insert("topic_permissions".into(), json!([]));
         doc.insert("global_parameters".into(), json!([]));
     }
-    doc.insert("parameters".into(), json!([]));
+    doc.insert("parameters".into(), Value::Array(parameters));
     doc.insert("policies".into(), json!([]));
     doc.insert("queues".into(), Value::Array(queues));
     doc.insert("exchanges".into(), Value::Array(exchanges));
@@ -216,6 +236,26 @@ fn tags(v: Option<&Value>) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// Limits as RabbitMQ writes them: an object of name to integer (an empty list: none).
+fn limit_list(v: &Value) -> Result<Vec<(String, i64)>, String> {
+    let mut out = Vec::new();
+    match v {
+        Value::Null => {}
+        Value::Array(a) if a.is_empty() => {}
+        Value::Object(m) => {
+            for (k, v) in m {
+                let n = v
+                    .as_i64()
+                    .ok_or_else(|| format!("limit {k} should be a number, actually was {v}"))?;
+                out.push((k.clone(), n));
+            }
+        }
+        _ => return Err("limits must be an object".into()),
+    }
+    out.sort();
+    Ok(out)
+}
+
 fn arguments(m: &Map<String, Value>) -> Result<amq_protocol::types::FieldTable, String> {
     match m.get("arguments") {
         None | Some(Value::Null) => Ok(Default::default()),
@@ -265,6 +305,14 @@ pub(crate) fn import(
                 tags,
             };
             b.apply(&op, fx).map_err(refused(format!("user {name}")))?;
+            if let Some(l) = u.get("limits").filter(|l| !l.is_null()) {
+                let limits = limit_list(l).map_err(|e| format!("user {name}: {e}"))?;
+                let op = Op::PutUserLimits {
+                    user: name.clone(),
+                    limits,
+                };
+                b.apply(&op, fx).map_err(refused(format!("user {name}")))?;
+            }
         }
         for v in list(doc, "vhosts")? {
             let v = object(v, "vhosts")?;
@@ -308,8 +356,12 @@ pub(crate) fn import(
             let mut exprs = Vec::new();
             for key in ["configure", "write", "read"] {
                 let e = string(p, key, "permission")?;
-                crate::broker::permissions::check(&e)
-                    .map_err(|e| format!("permission of {user} in {vhost}: {key}: {e}"))?;
+                // RabbitMQ's expressions are PCRE: one with look-around or a backreference
+                // (valid there) is kept as written and allows nothing here, said in the log,
+                // rather than stop the import (or the start, with --load-definitions).
+                if let Err(why) = crate::broker::permissions::check(&e) {
+                    tracing::warn!(%user, %vhost, permission = key, expression = %e, %why, "definitions: a permission expression Warren cannot evaluate allows nothing");
+                }
                 exprs.push(e);
             }
             let [configure, write, read] = <[String; 3]>::try_from(exprs).unwrap_or_default();
@@ -323,6 +375,28 @@ pub(crate) fn import(
             b.apply(&op, fx)
                 .map_err(refused(format!("permission of {user} in {vhost}")))?;
         }
+    }
+    // Vhost limits, RabbitMQ's "vhost-limits" runtime parameters (other parameters are not
+    // served: left out).
+    for p in list(doc, "parameters")? {
+        let p = object(p, "parameters")?;
+        if optional_string(p, "component")?.as_deref() != Some("vhost-limits") {
+            continue;
+        }
+        let vhost = match only {
+            Some(v) => v.to_string(),
+            None => string(p, "vhost", "parameter")?,
+        };
+        let limits = limit_list(p.get("value").unwrap_or(&Value::Null))
+            .map_err(|e| format!("limits of vhost {vhost}: {e}"))?;
+        b.apply(
+            &Op::PutVhostLimits {
+                vhost: vhost.clone(),
+                limits,
+            },
+            fx,
+        )
+        .map_err(refused(format!("limits of vhost {vhost}")))?;
     }
     let vhost_of = |m: &Map<String, Value>, what: &str| -> Result<String, String> {
         match only {
@@ -454,7 +528,9 @@ async fn import_response(
         }
     }
     let result = change(shared, |b, fx| {
-        import(b, fx, &doc, Some(me), only)
+        // RabbitMQ's import gives the importing user no permissions of its own.
+        let _ = me;
+        import(b, fx, &doc, None, only)
             .map_err(|why| AmqpError::connection(ReplyCode::PreconditionFailed, why))
     })
     .await;

@@ -104,6 +104,14 @@ pub(super) async fn put_exchange(
             return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
         }
         permit(b, &me, &vhost, Access::Configure, Resource::Exchange, &name)?;
+        if let Some(amq_protocol::types::AMQPValue::LongString(ae)) =
+            declare.arguments.inner().get("alternate-exchange")
+        {
+            // As exchange.declare: reading it, writing to its alternate exchange.
+            let ae = String::from_utf8_lossy(ae.as_bytes());
+            permit(b, &me, &vhost, Access::Read, Resource::Exchange, &name)?;
+            permit(b, &me, &vhost, Access::Write, Resource::Exchange, &ae)?;
+        }
         let existed = b.exchange_exists(&vhost, &name);
         b.exchange_declare(&vhost, declare, fx).map(|_| existed)
     })

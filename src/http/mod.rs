@@ -18,6 +18,7 @@ mod connections;
 pub(crate) mod definitions;
 mod exchanges;
 mod json;
+mod limits;
 mod overview;
 mod permissions;
 mod queues;
@@ -109,6 +110,18 @@ fn router(shared: Arc<Shared>) -> Router {
             get(permissions::user_permissions),
         )
         .route("/api/permissions", get(permissions::permissions))
+        .route("/api/vhost-limits", get(limits::vhost_limits))
+        .route("/api/vhost-limits/{vhost}", get(limits::vhost_limits_of))
+        .route(
+            "/api/vhost-limits/{vhost}/{name}",
+            axum::routing::put(limits::put_vhost_limit).delete(limits::delete_vhost_limit),
+        )
+        .route("/api/user-limits", get(limits::user_limits))
+        .route("/api/user-limits/{user}", get(limits::user_limits_of))
+        .route(
+            "/api/user-limits/{user}/{name}",
+            axum::routing::put(limits::put_user_limit).delete(limits::delete_user_limit),
+        )
         .route(
             "/api/definitions",
             get(definitions::get_all).post(definitions::post_all),

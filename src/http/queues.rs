@@ -115,6 +115,16 @@ pub(super) async fn put_queue(
         }
         permit(b, &me, &vhost, Access::Configure, Resource::Queue, &name)?;
         let existed = b.queue_info(&vhost, &name).is_some();
+        if !existed {
+            if let Some(amq_protocol::types::AMQPValue::LongString(dlx)) =
+                declare.arguments.inner().get("x-dead-letter-exchange")
+            {
+                // As queue.declare: reading the queue, writing to its dead-letter exchange.
+                let dlx = String::from_utf8_lossy(dlx.as_bytes());
+                permit(b, &me, &vhost, Access::Read, Resource::Queue, &name)?;
+                permit(b, &me, &vhost, Access::Write, Resource::Exchange, &dlx)?;
+            }
+        }
         b.queue_declare(0, &vhost, declare, fx).map(|_| existed)
     })
     .await;

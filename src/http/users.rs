@@ -42,13 +42,18 @@ pub(super) fn not_administrator() -> Response {
         .into_response()
 }
 
-fn user_json(name: &str, u: &User) -> Value {
+fn user_json(name: &str, u: &User, limits: &[(String, Vec<(String, i64)>)]) -> Value {
+    let limits = limits
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, l)| super::limits::limits_json(l))
+        .unwrap_or_else(|| json!({}));
     json!({
         "name": name,
         "password_hash": u.password_hash,
         "hashing_algorithm": SHA256,
         "tags": u.tags,
-        "limits": {},
+        "limits": limits,
     })
 }
 
@@ -56,9 +61,9 @@ pub(super) async fn users(State(shared): Api, Extension(Login(me)): Extension<Lo
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    let list = shared.query(|b| b.users());
+    let (list, limits) = shared.query(|b| (b.users(), b.user_limits()));
     Json(Value::Array(
-        list.iter().map(|(n, u)| user_json(n, u)).collect(),
+        list.iter().map(|(n, u)| user_json(n, u, &limits)).collect(),
     ))
     .into_response()
 }
@@ -71,8 +76,8 @@ pub(super) async fn user(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    match shared.query(|b| b.user(&name).cloned()) {
-        Some(u) => Json(user_json(&name, &u)).into_response(),
+    match shared.query(|b| b.user(&name).cloned().map(|u| (u, b.user_limits()))) {
+        Some((u, limits)) => Json(user_json(&name, &u, &limits)).into_response(),
         None => not_found(),
     }
 }

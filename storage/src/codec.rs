@@ -218,6 +218,46 @@ impl PermissionRecord {
     }
 }
 
+/// A vhost's or user's limits (keys `L` + vhost, `M` + user): name and value pairs.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LimitsRecord {
+    pub limits: Vec<(String, i64)>,
+}
+
+impl LimitsRecord {
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(VERSION);
+        b.put_u32(self.limits.len() as u32);
+        for (name, value) in &self.limits {
+            put_str(&mut b, name.as_bytes());
+            b.put_i64(*value);
+        }
+        b.freeze()
+    }
+
+    pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
+        check_version(&mut b)?;
+        if b.remaining() < 4 {
+            return Err(DecodeError("truncated limits"));
+        }
+        let n = b.get_u32() as usize;
+        // Each takes at least a 4-byte length and 8 bytes of value.
+        if n > b.remaining() / 12 {
+            return Err(DecodeError("bad limit count"));
+        }
+        let mut limits = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = get_string(&mut b)?;
+            if b.remaining() < 8 {
+                return Err(DecodeError("truncated limit"));
+            }
+            limits.push((name, b.get_i64()));
+        }
+        Ok(LimitsRecord { limits })
+    }
+}
+
 /// A binding, encoded whole as a key (its value is empty).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BindingKey {
@@ -238,6 +278,10 @@ pub const USER_PREFIX: u8 = b'U';
 pub const VHOST_PREFIX: u8 = b'V';
 /// Permissions: `P` + the vhost + the user.
 pub const PERMISSION_PREFIX: u8 = b'P';
+/// Vhost limits: `L` + an empty vhost + the vhost's name.
+pub const VHOST_LIMITS_PREFIX: u8 = b'L';
+/// User limits: `M` + an empty vhost + the user's name.
+pub const USER_LIMITS_PREFIX: u8 = b'M';
 
 /// `X`/`Q` + vhost + name.
 pub fn entity_key(prefix: u8, vhost: &str, name: &str) -> Bytes {

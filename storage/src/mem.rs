@@ -2,8 +2,8 @@
 //! broker that keeps nothing across restarts.
 
 use crate::codec::{
-    BindingKey, ExchangeRecord, MessageRecord, PermissionRecord, QueueRecord, UserRecord,
-    VhostRecord,
+    BindingKey, ExchangeRecord, LimitsRecord, MessageRecord, PermissionRecord, QueueRecord,
+    UserRecord, VhostRecord,
 };
 use crate::op::{BindingDest, Op};
 use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -19,6 +19,8 @@ struct State {
     vhosts: BTreeMap<String, VhostRecord>,
     /// By (vhost, user).
     permissions: BTreeMap<(String, String), PermissionRecord>,
+    vhost_limits: BTreeMap<String, LimitsRecord>,
+    user_limits: BTreeMap<String, LimitsRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
     /// `Store::write_applied`'s position.
@@ -242,6 +244,26 @@ impl MemStore {
                 Op::ClearPermissions { user, vhost } => {
                     s.permissions.remove(&key(vhost, user));
                 }
+                Op::PutVhostLimits { vhost, limits } => {
+                    if limits.is_empty() {
+                        s.vhost_limits.remove(vhost);
+                    } else {
+                        let rec = LimitsRecord {
+                            limits: limits.clone(),
+                        };
+                        s.vhost_limits.insert(vhost.clone(), rec);
+                    }
+                }
+                Op::PutUserLimits { user, limits } => {
+                    if limits.is_empty() {
+                        s.user_limits.remove(user);
+                    } else {
+                        let rec = LimitsRecord {
+                            limits: limits.clone(),
+                        };
+                        s.user_limits.insert(user.clone(), rec);
+                    }
+                }
             }
         }
         if let Some(a) = applied {
@@ -400,6 +422,12 @@ fn definition_ops(s: &State) -> Vec<Op> {
     }
     for ((vhost, user), p) in &s.permissions {
         ops.push(crate::op::set_permissions(vhost, user, p));
+    }
+    for (vhost, l) in &s.vhost_limits {
+        ops.push(crate::op::put_vhost_limits(vhost, l));
+    }
+    for (user, l) in &s.user_limits {
+        ops.push(crate::op::put_user_limits(user, l));
     }
     for ((vhost, name), x) in &s.exchanges {
         ops.push(crate::op::declare_exchange(vhost, name, x));

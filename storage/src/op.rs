@@ -156,6 +156,17 @@ pub enum Op {
         user: String,
         vhost: String,
     },
+    /// A vhost's limits (`max-connections`, `max-queues`), all of them: an empty list clears
+    /// them. A negative value is no limit (RabbitMQ).
+    PutVhostLimits {
+        vhost: String,
+        limits: Vec<(String, i64)>,
+    },
+    /// A user's limits (`max-connections`, `max-channels`), as `PutVhostLimits`.
+    PutUserLimits {
+        user: String,
+        limits: Vec<(String, i64)>,
+    },
 }
 
 impl Op {
@@ -177,6 +188,8 @@ impl Op {
             Op::PutUser { .. } | Op::DeleteUser { .. } => "",
             Op::PutVhost { name, .. } | Op::DeleteVhost { name } => name,
             Op::SetPermissions { vhost, .. } | Op::ClearPermissions { vhost, .. } => vhost,
+            Op::PutVhostLimits { vhost, .. } => vhost,
+            Op::PutUserLimits { .. } => "",
         }
     }
 }
@@ -299,6 +312,22 @@ pub fn set_permissions(vhost: &str, user: &str, p: &crate::codec::PermissionReco
         configure: p.configure.clone(),
         write: p.write.clone(),
         read: p.read.clone(),
+    }
+}
+
+/// The op that recreates a vhost's stored limits (for store implementations, at recovery).
+pub fn put_vhost_limits(vhost: &str, l: &crate::codec::LimitsRecord) -> Op {
+    Op::PutVhostLimits {
+        vhost: vhost.to_string(),
+        limits: l.limits.clone(),
+    }
+}
+
+/// The op that recreates a user's stored limits (for store implementations, at recovery).
+pub fn put_user_limits(user: &str, l: &crate::codec::LimitsRecord) -> Op {
+    Op::PutUserLimits {
+        user: user.to_string(),
+        limits: l.limits.clone(),
     }
 }
 

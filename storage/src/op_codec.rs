@@ -46,6 +46,8 @@
 //! | 16  | `DeleteVhost`     | name                                                                |
 //! | 17  | `SetPermissions`  | user, vhost, configure, write, read                                 |
 //! | 18  | `ClearPermissions`| user, vhost                                                         |
+//! | 19  | `PutVhostLimits`  | vhost, limits (count + (name, i64) each)                            |
+//! | 20  | `PutUserLimits`   | user, limits (count + (name, i64) each)                             |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -86,13 +88,15 @@ pub const TAG_PUT_VHOST: u8 = 15;
 pub const TAG_DELETE_VHOST: u8 = 16;
 pub const TAG_SET_PERMISSIONS: u8 = 17;
 pub const TAG_CLEAR_PERMISSIONS: u8 = 18;
+pub const TAG_PUT_VHOST_LIMITS: u8 = 19;
+pub const TAG_PUT_USER_LIMITS: u8 = 20;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 18] = [
+const ALL_TAGS: [u8; 20] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -111,6 +115,8 @@ const ALL_TAGS: [u8; 18] = [
     TAG_DELETE_VHOST,
     TAG_SET_PERMISSIONS,
     TAG_CLEAR_PERMISSIONS,
+    TAG_PUT_VHOST_LIMITS,
+    TAG_PUT_USER_LIMITS,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -153,6 +159,8 @@ pub fn tag(op: &Op) -> u8 {
         Op::DeleteVhost { .. } => TAG_DELETE_VHOST,
         Op::SetPermissions { .. } => TAG_SET_PERMISSIONS,
         Op::ClearPermissions { .. } => TAG_CLEAR_PERMISSIONS,
+        Op::PutVhostLimits { .. } => TAG_PUT_VHOST_LIMITS,
+        Op::PutUserLimits { .. } => TAG_PUT_USER_LIMITS,
     }
 }
 
@@ -398,6 +406,18 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
         Op::ClearPermissions { user, vhost } => {
             put_bytes(b, user.as_bytes())?;
             put_bytes(b, vhost.as_bytes())?;
+        }
+        Op::PutVhostLimits {
+            vhost: name,
+            limits,
+        }
+        | Op::PutUserLimits { user: name, limits } => {
+            put_bytes(b, name.as_bytes())?;
+            put_len(b, limits.len())?;
+            for (k, v) in limits {
+                put_bytes(b, k.as_bytes())?;
+                b.put_i64(*v);
+            }
         }
     }
     Ok(())
@@ -677,6 +697,27 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             user: get_string(b)?,
             vhost: get_string(b)?,
         },
+        tag @ (TAG_PUT_VHOST_LIMITS | TAG_PUT_USER_LIMITS) => {
+            let name = get_string(b)?;
+            // Each takes at least a 4-byte length and 8 bytes of value.
+            let n = get_count(b, 12)?;
+            let mut limits = Vec::with_capacity(n);
+            for _ in 0..n {
+                let k = get_string(b)?;
+                if b.remaining() < 8 {
+                    return Err(DecodeError("truncated limit"));
+                }
+                limits.push((k, b.get_i64()));
+            }
+            if tag == TAG_PUT_VHOST_LIMITS {
+                Op::PutVhostLimits {
+                    vhost: name,
+                    limits,
+                }
+            } else {
+                Op::PutUserLimits { user: name, limits }
+            }
+        }
         _ => return Err(DecodeError("unknown op tag")),
     };
     Ok(op)
@@ -992,6 +1033,28 @@ mod tests {
     }
 
     #[test]
+    fn golden_put_vhost_limits() {
+        golden(
+            Op::PutVhostLimits {
+                vhost: "v".into(),
+                limits: vec![("max-queues".into(), -1)],
+            },
+            "13 | 00000001 76 | 00000001 0000000a 6d61782d717565756573 ffffffffffffffff",
+        );
+    }
+
+    #[test]
+    fn golden_put_user_limits() {
+        golden(
+            Op::PutUserLimits {
+                user: "u".into(),
+                limits: vec![],
+            },
+            "14 | 00000001 75 | 00000000",
+        );
+    }
+
+    #[test]
     fn golden_empty_entry() {
         assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
@@ -1104,6 +1167,14 @@ mod tests {
                 user: "u".into(),
                 vhost: "v".into(),
             },
+            Op::PutVhostLimits {
+                vhost: "v".into(),
+                limits: vec![("max-connections".into(), 2)],
+            },
+            Op::PutUserLimits {
+                user: "u".into(),
+                limits: vec![("max-channels".into(), 0)],
+            },
         ]
     }
 
@@ -1112,7 +1183,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=18).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=20).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1186,7 +1257,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 19, 255] {
+        for t in [0u8, 21, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1487,6 +1558,10 @@ mod tests {
                     }
                 ),
                 (string(), string()).prop_map(|(user, vhost)| Op::ClearPermissions { user, vhost }),
+                (string(), vec((string(), any::<i64>()), 0..3))
+                    .prop_map(|(vhost, limits)| Op::PutVhostLimits { vhost, limits }),
+                (string(), vec((string(), any::<i64>()), 0..3))
+                    .prop_map(|(user, limits)| Op::PutUserLimits { user, limits }),
             ]
         }
 

@@ -301,6 +301,41 @@ fn vhosts_survive(open: &dyn Fn() -> Box<dyn Store>) {
         .map(|op| format!("{op:?}"))
         .collect();
     assert_eq!(perms, [format!("{:?}", perm("ann", "^b"))]);
+    // Limits: the latest of each; an empty list clears them.
+    let s = open();
+    let vl = |n: i64| Op::PutVhostLimits {
+        vhost: "shop".into(),
+        limits: vec![("max-queues".into(), n)],
+    };
+    let ul = |user: &str, limits: Vec<(String, i64)>| Op::PutUserLimits {
+        user: user.into(),
+        limits,
+    };
+    s.write(
+        &[
+            vl(1),
+            vl(-1),
+            ul("ann", vec![("max-channels".into(), 2)]),
+            ul("bob", vec![("max-connections".into(), 1)]),
+            ul("bob", vec![]),
+        ],
+        true,
+    )
+    .unwrap();
+    drop(s);
+    let ops = open().recover().unwrap().ops;
+    let limits: Vec<String> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::PutVhostLimits { .. } | Op::PutUserLimits { .. }))
+        .map(|op| format!("{op:?}"))
+        .collect();
+    assert_eq!(
+        limits,
+        [
+            format!("{:?}", vl(-1)),
+            format!("{:?}", ul("ann", vec![("max-channels".into(), 2)]))
+        ]
+    );
     let vhosts: Vec<String> = ops
         .iter()
         .filter(|op| matches!(op, Op::PutVhost { .. }))

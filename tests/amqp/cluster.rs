@@ -1375,16 +1375,29 @@ async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
         &[],
     );
     assert_eq!(status, 201, "{body}");
+    let (status, body) = http_call(
+        &c.nodes[leader],
+        "PUT",
+        "/api/vhost-limits/shop/max-queues",
+        Some(r#"{"value":5}"#),
+        &[],
+    );
+    assert_eq!(status, 204, "{body}");
     let clerk_url = format!("amqp://clerk:pw@127.0.0.1:{}/shop", c.nodes[leader].amqp);
     let clerk = connect(&clerk_url).await;
     clerk.close(200, "bye".into()).await.unwrap();
     let permission_on =
         |n: &Node| http_call(n, "GET", "/api/permissions/shop/clerk", None, &local).0;
+    let limits_on = |n: &Node| http_call(n, "GET", "/api/vhost-limits", None, &local).1;
     let deadline = Instant::now() + WAIT;
-    while c.nodes.iter().any(|n| permission_on(n) != 200) {
+    while c
+        .nodes
+        .iter()
+        .any(|n| permission_on(n) != 200 || !limits_on(n).contains(r#""max-queues":5"#))
+    {
         assert!(
             Instant::now() < deadline,
-            "the permission is not on every node"
+            "the permission and limit are not on every node"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -1421,6 +1434,7 @@ async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
             "the permission is still on node {}",
             n.id
         );
+        assert_eq!(limits_on(n), "[]", "the limit is still on node {}", n.id);
     }
     assert!(
         Connection::connect(&shop_url, ConnectionProperties::default())
