@@ -60,6 +60,23 @@ pub struct Config {
     /// `load_definitions`): a single node imports them before it serves, a cluster node the
     /// first time it leads. Parsed when the file is read, so a bad file stops the start.
     pub load_definitions: Option<std::sync::Arc<serde_json::Map<String, serde_json::Value>>>,
+    /// Where to serve AMQP over TLS (`--amqps-listen`, RabbitMQ's 5671), with `tls`.
+    pub amqps_listen: Option<SocketAddr>,
+    pub tls: Option<TlsConfig>,
+}
+
+/// TLS settings (RabbitMQ's `ssl_options`).
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    /// The server's certificate chain and private key (PEM).
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The certificate authorities client certificates are checked against (PEM).
+    pub ca: Option<PathBuf>,
+    /// Ask clients for a certificate and check the one they give (`verify_peer`).
+    pub verify_peer: bool,
+    /// Refuse clients that give none (`fail_if_no_peer_cert`).
+    pub fail_if_no_peer_cert: bool,
 }
 
 /// A cluster node's settings (issue 15).
@@ -165,6 +182,8 @@ impl Default for Config {
             recover_damaged: false,
             cluster: None,
             load_definitions: None,
+            amqps_listen: None,
+            tls: None,
         }
     }
 }

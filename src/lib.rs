@@ -22,6 +22,7 @@ pub mod node;
 pub mod outbox;
 pub mod registry;
 pub mod server;
+pub mod tls;
 
 pub use config::Config;
 pub use node::Shared;

@@ -32,7 +32,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the broker (the default).
-    Server(ServerArgs),
+    Server(Box<ServerArgs>),
     /// Load a broker and report rates and latencies (RabbitMQ's PerfTest, in spirit).
     Perf(warren_perf::PerfArgs),
     /// Operate a running node through its management API (cluster status, membership).
@@ -79,6 +79,28 @@ struct ServerArgs {
     /// (RabbitMQ's load_definitions). Importing adds and replaces; it deletes nothing.
     #[arg(long, env = "WARREN_LOAD_DEFINITIONS")]
     load_definitions: Option<std::path::PathBuf>,
+    /// Serve AMQP over TLS here too (RabbitMQ's amqps on 5671), with --tls-cert and --tls-key.
+    #[arg(long, env = "WARREN_AMQPS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+    amqps_listen: Option<SocketAddr>,
+    /// The server's certificate chain (PEM) for --amqps-listen.
+    #[arg(long, env = "WARREN_TLS_CERT")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The server's private key (PEM) for --amqps-listen.
+    #[arg(long, env = "WARREN_TLS_KEY")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Certificate authorities (PEM) that client certificates are checked against.
+    #[arg(long, env = "WARREN_TLS_CA")]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Ask TLS clients for a certificate and check it against --tls-ca (RabbitMQ's verify_peer).
+    #[arg(long, env = "WARREN_TLS_VERIFY_PEER", requires = "tls_ca")]
+    tls_verify_peer: bool,
+    /// Refuse TLS clients that give no certificate (RabbitMQ's fail_if_no_peer_cert).
+    #[arg(
+        long,
+        env = "WARREN_TLS_FAIL_IF_NO_PEER_CERT",
+        requires = "tls_verify_peer"
+    )]
+    tls_fail_if_no_peer_cert: bool,
     /// The default user's password (RabbitMQ's default_pass).
     #[arg(
         long,
@@ -157,7 +179,7 @@ fn main() -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     match cli.command {
-        Some(Command::Server(a)) => runtime.block_on(serve(a)),
+        Some(Command::Server(a)) => runtime.block_on(serve(*a)),
         Some(Command::Perf(a)) => runtime.block_on(warren_perf::run(a)).map(|_| ()),
         Some(Command::Ctl(_)) => Ok(()),
         None => runtime.block_on(serve(cli.server)),
@@ -190,6 +212,17 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         },
         recover_damaged: args.recover_damaged,
         loopback_users: args.loopback_users.0,
+        amqps_listen: args.amqps_listen,
+        tls: match (args.tls_cert, args.tls_key) {
+            (Some(cert), Some(key)) => Some(warren::config::TlsConfig {
+                cert,
+                key,
+                ca: args.tls_ca,
+                verify_peer: args.tls_verify_peer,
+                fail_if_no_peer_cert: args.tls_fail_if_no_peer_cert,
+            }),
+            _ => None,
+        },
         load_definitions: match &args.load_definitions {
             None => None,
             Some(path) => {

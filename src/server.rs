@@ -152,6 +152,26 @@ pub async fn serve(
         },
         None => None,
     };
+    // AMQP over TLS: a listener that cannot start stops the start (as RabbitMQ's does).
+    let amqps = match (shared.config.amqps_listen, &shared.config.tls) {
+        (Some(addr), Some(tls)) => {
+            use anyhow::Context;
+            let config = crate::tls::server_config(tls)?;
+            let l = bind_dual(addr)
+                .await
+                .with_context(|| format!("binding --amqps-listen {addr}"))?;
+            info!(addr = %l.local_addr()?, "listening for AMQP over TLS");
+            Some(tokio::spawn(tls_accept_loop(
+                l,
+                tokio_rustls::TlsAcceptor::from(config),
+                shared.clone(),
+                stop_rx.clone(),
+                tracker.clone(),
+            )))
+        }
+        (Some(_), None) => anyhow::bail!("--amqps-listen needs --tls-cert and --tls-key"),
+        (None, _) => None,
+    };
     info!(
         addr = %listener.local_addr()?,
         connection_max = shared.connection_max,
@@ -219,6 +239,9 @@ pub async fn serve(
     if let Some(m) = management {
         m.abort();
     }
+    if let Some(t) = amqps {
+        t.abort();
+    }
     drop(listener);
     let _ = stop_tx.send(true);
     tracker.close();
@@ -234,4 +257,46 @@ pub async fn serve(
 fn free_space(path: &std::path::Path) -> Option<u64> {
     let s = rustix::fs::statvfs(path).ok()?;
     Some(s.f_bavail.saturating_mul(s.f_frsize))
+}
+
+/// Accept TLS clients on `listener`: each handshake (bounded by the handshake timeout, so a
+/// client that never finishes it holds nothing for long) runs in the client's own task, then
+/// the connection is served as a plain one is.
+async fn tls_accept_loop(
+    listener: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+    tracker: TaskTracker,
+) {
+    let mut accept_failing = crate::log_limit::Repeats::default();
+    loop {
+        let (socket, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some(unlogged) = accept_failing.hit(crate::clock::now_ms()) {
+                    warn!(error = %e, failures_not_logged = unlogged, "accept failed (amqps)");
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if tracker.len() >= shared.socket_max() {
+            drop(socket);
+            continue;
+        }
+        let _ = socket.set_nodelay(true);
+        let (acceptor, shared, stop) = (acceptor.clone(), shared.clone(), stop.clone());
+        tracker.spawn(
+            async move {
+                let limit = shared.config.handshake_timeout;
+                match tokio::time::timeout(limit, acceptor.accept(socket)).await {
+                    Ok(Ok(tls)) => conn::serve_tls(tls, peer, shared, stop).await,
+                    Ok(Err(e)) => info!(error = %e, "TLS handshake failed"),
+                    Err(_) => info!("TLS handshake timed out"),
+                }
+            }
+            .instrument(info_span!("conn", %peer, tls = true)),
+        );
+    }
 }

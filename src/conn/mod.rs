@@ -14,8 +14,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{sleep_until, timeout, Instant};
@@ -28,14 +27,42 @@ use warren_protocol::{FrameCodec, OutBuffer, PROTOCOL_HEADER};
 /// (a client that stops reading must not grow the broker's memory without bound).
 const OUTBOX_HIGH_WATER: usize = 8 * 1024 * 1024;
 
+/// The halves of a client's stream: a TCP socket's, or a TLS session's over one.
+type Reader = Box<dyn AsyncRead + Send + Unpin>;
+type Writer = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// Serve one AMQP client on a TCP socket.
 pub async fn serve(
     socket: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let local = socket.local_addr().unwrap_or(peer);
-    let (mut rd, wr) = socket.into_split();
+    let (rd, wr) = socket.into_split();
+    serve_halves(Box::new(rd), Box::new(wr), peer, local, shared, stop).await
+}
+
+/// Serve one AMQP client over TLS (`--amqps-listen`), once its handshake is done.
+pub async fn serve_tls(
+    stream: tokio_rustls::server::TlsStream<TcpStream>,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+) {
+    let local = stream.get_ref().0.local_addr().unwrap_or(peer);
+    let (rd, wr) = tokio::io::split(stream);
+    serve_halves(Box::new(rd), Box::new(wr), peer, local, shared, stop).await
+}
+
+async fn serve_halves(
+    mut rd: Reader,
+    wr: Writer,
+    peer: SocketAddr,
+    local: SocketAddr,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
     let handshake_deadline = Instant::now() + shared.config.handshake_timeout;
 
     // Protocol header: anything else gets ours back and the socket closed.
@@ -138,7 +165,7 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 #[allow(clippy::too_many_arguments)]
 async fn read_loop(
     session: &mut Session,
-    rd: tokio::net::tcp::OwnedReadHalf,
+    rd: Reader,
     shared: &Arc<Shared>,
     outbox: &Arc<Outbox>,
     info: &Arc<ConnInfo>,
@@ -365,7 +392,7 @@ fn has_complete_frame(buf: &[u8]) -> bool {
 }
 
 async fn write_loop(
-    mut wr: OwnedWriteHalf,
+    mut wr: Writer,
     outbox: Arc<Outbox>,
     shared: Arc<Shared>,
     done: CancellationToken,

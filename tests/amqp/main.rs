@@ -24,3 +24,4 @@ mod perf;
 mod queue;
 mod replay;
 mod routing;
+mod tls;
