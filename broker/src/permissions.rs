@@ -1,7 +1,7 @@
 //! Who may do what in a vhost: RabbitMQ's configure / write / read permissions, regular
 //! expressions over the names of queues and exchanges (set through `Op::SetPermissions`).
 
-use regex::Regex;
+use fancy_regex::Regex;
 
 /// The three kinds of access RabbitMQ's access-control table names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,14 +46,18 @@ enum Rule {
     Matches(Regex),
 }
 
-/// Compile one permission expression. Unanchored, as RabbitMQ matches (`re:run`).
+/// Compile one permission expression. Unanchored, as RabbitMQ matches (`re:run`), in PCRE's
+/// syntax as far as `fancy-regex` takes it: look-around and backreferences too (RabbitMQ's
+/// `^(?!amq\.).*` is a common one).
 fn compile(expr: &str) -> Result<Rule, String> {
     match expr {
         "" => Ok(Rule::Nothing),
         ".*" => Ok(Rule::Anything),
-        _ => regex::RegexBuilder::new(expr)
-            // Permission expressions are short; a hostile one must not take the memory.
-            .size_limit(1 << 20)
+        _ => fancy_regex::RegexBuilder::new(expr)
+            // Permission expressions are short; a hostile one must not take the memory or
+            // the time (a match that backtracks past the limit is no match).
+            .delegate_size_limit(1 << 20)
+            .backtrack_limit(100_000)
             .build()
             .map(Rule::Matches)
             .map_err(|e| e.to_string()),
@@ -88,7 +92,7 @@ impl Permissions {
         match re {
             Rule::Nothing => false,
             Rule::Anything => true,
-            Rule::Matches(re) => re.is_match(name),
+            Rule::Matches(re) => re.is_match(name).unwrap_or(false),
         }
     }
 }
@@ -115,6 +119,10 @@ mod tests {
         // Unanchored: "q" matches inside a name.
         assert!(p.allows(Access::Read, "aqa"));
         assert!(check("(").is_err());
+        // PCRE's look-ahead, as RabbitMQ users write it.
+        let no_amq = Permissions::new("^(?!amq\\.).*", "", "");
+        assert!(no_amq.allows(Access::Configure, "orders"));
+        assert!(!no_amq.allows(Access::Configure, "amq.gen-x"));
         assert!(check("").is_ok() && check(".*").is_ok());
         // One that does not compile allows nothing.
         assert!(!Permissions::new("(", "(", "(").allows(Access::Read, "("));
