@@ -63,6 +63,8 @@ pub struct Config {
     /// Where to serve AMQP over TLS (`--amqps-listen`, RabbitMQ's 5671), with `tls`.
     pub amqps_listen: Option<SocketAddr>,
     pub tls: Option<TlsConfig>,
+    /// Serve the management API over HTTPS (with `tls`'s certificate and key).
+    pub management_tls: bool,
 }
 
 /// TLS settings (RabbitMQ's `ssl_options`).
@@ -184,6 +186,7 @@ impl Default for Config {
             load_definitions: None,
             amqps_listen: None,
             tls: None,
+            management_tls: false,
         }
     }
 }

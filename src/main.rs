@@ -82,7 +82,11 @@ struct ServerArgs {
     /// Serve AMQP over TLS here too (RabbitMQ's amqps on 5671), with --tls-cert and --tls-key.
     #[arg(long, env = "WARREN_AMQPS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
     amqps_listen: Option<SocketAddr>,
-    /// The server's certificate chain (PEM) for --amqps-listen.
+    /// Serve the management API over HTTPS on --management-listen, with --tls-cert and --tls-key
+    /// (client certificates are not asked for there).
+    #[arg(long, env = "WARREN_MANAGEMENT_TLS", requires_all = ["tls_cert", "tls_key"])]
+    management_tls: bool,
+    /// The server's certificate chain (PEM) for --amqps-listen and --management-tls.
     #[arg(long, env = "WARREN_TLS_CERT")]
     tls_cert: Option<std::path::PathBuf>,
     /// The server's private key (PEM) for --amqps-listen.
@@ -213,6 +217,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         recover_damaged: args.recover_damaged,
         loopback_users: args.loopback_users.0,
         amqps_listen: args.amqps_listen,
+        management_tls: args.management_tls,
         tls: match (args.tls_cert, args.tls_key) {
             (Some(cert), Some(key)) => Some(warren::config::TlsConfig {
                 cert,

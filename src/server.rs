@@ -139,11 +139,31 @@ pub async fn serve(
     });
     // The management API: a port that cannot be bound leaves AMQP running (as RabbitMQ's
     // management plugin failing does not stop the node).
+    // Over HTTPS: the certificate must load (a bad one stops the start, as for amqps).
+    let management_tls = match (&shared.config.tls, shared.config.management_tls) {
+        (Some(t), true) => {
+            let t = crate::config::TlsConfig {
+                verify_peer: false,
+                fail_if_no_peer_cert: false,
+                ..t.clone()
+            };
+            Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
+                &t,
+            )?))
+        }
+        (None, true) => anyhow::bail!("--management-tls needs --tls-cert and --tls-key"),
+        (_, false) => None,
+    };
     let management = match shared.config.management_listen {
         Some(addr) => match bind_dual(addr).await {
             Ok(l) => {
-                info!(addr = %l.local_addr()?, "serving the management API");
-                Some(tokio::spawn(crate::http::serve(l, shared.clone())))
+                info!(addr = %l.local_addr()?, tls = management_tls.is_some(), "serving the management API");
+                Some(match management_tls {
+                    Some(acceptor) => {
+                        tokio::spawn(crate::http::serve_tls(l, acceptor, shared.clone()))
+                    }
+                    None => tokio::spawn(crate::http::serve(l, shared.clone())),
+                })
             }
             Err(e) => {
                 warn!(error = %e, %addr, "management API not served");

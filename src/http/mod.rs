@@ -69,6 +69,49 @@ pub async fn serve(listener: tokio::net::TcpListener, shared: Arc<Shared>) {
     }
 }
 
+/// Serve the API over HTTPS on `listener` (`--management-tls`) until the task is dropped: each
+/// connection's TLS handshake (bounded) and HTTP/1.1 exchange in its own task.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    shared: Arc<Shared>,
+) {
+    let app = tower::ServiceBuilder::new()
+        .map_request(trim_one_trailing_slash)
+        .service(router(shared));
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!(error = %e, "accept failed (management API, TLS)");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let (acceptor, app) = (acceptor.clone(), app.clone());
+        tokio::spawn(async move {
+            let limit = std::time::Duration::from_secs(10);
+            let Ok(Ok(tls)) = tokio::time::timeout(limit, acceptor.accept(tcp)).await else {
+                return;
+            };
+            let service = hyper::service::service_fn(
+                move |mut req: hyper::Request<hyper::body::Incoming>| {
+                    // What `require_login` reads for the loopback rule.
+                    req.extensions_mut().insert(ConnectInfo(peer));
+                    tower::ServiceExt::oneshot(app.clone(), req.map(axum::body::Body::new))
+                },
+            );
+            let io = hyper_util::rt::TokioIo::new(tls);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, service)
+                .await
+            {
+                tracing::debug!(error = %e, %peer, "management API connection (TLS) ended");
+            }
+        });
+    }
+}
+
 /// Drop one trailing slash from the path, as RabbitMQ's routes take one: `/api/queues/` is
 /// `/api/queues`, but `/api/overview//` keeps an empty segment and is not found (as there).
 fn trim_one_trailing_slash(mut req: axum::extract::Request) -> axum::extract::Request {

@@ -40,9 +40,11 @@ fn free_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-/// Connect over TLS trusting `ca`, as `client` (None: no certificate), send the protocol
-/// header and return what the server answers first (empty: refused).
-async fn first_answer(port: u16, ca: &Issued, client: Option<&Issued>) -> Vec<u8> {
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+/// Connect over TLS trusting `ca`, as `client` (None: no certificate); None when the
+/// handshake fails on the client's side.
+async fn tls_connect(port: u16, ca: &Issued, client: Option<&Issued>) -> Option<Tls> {
     let mut roots = rustls::RootCertStore::empty();
     roots.add(ca.cert.der().clone()).unwrap();
     let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
@@ -72,7 +74,13 @@ async fn first_answer(port: u16, ca: &Issued, client: Option<&Issued>) -> Vec<u8
         }
     };
     let name = ServerName::try_from("localhost").unwrap();
-    let Ok(mut tls) = connector.connect(name, tcp).await else {
+    connector.connect(name, tcp).await.ok()
+}
+
+/// Connect (as `tls_connect`), send the protocol header and return what the server answers
+/// first (empty: refused).
+async fn first_answer(port: u16, ca: &Issued, client: Option<&Issued>) -> Vec<u8> {
+    let Some(mut tls) = tls_connect(port, ca, client).await else {
         return Vec::new();
     };
     if tls.write_all(b"AMQP\x00\x00\x09\x01").await.is_err() {
@@ -108,6 +116,8 @@ async fn amqp_over_tls_with_client_certificates_checked_against_the_ca() {
     let ca_file = write("ca.pem", authority.cert.pem());
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
+    let http_port = free_port();
+    let http_listen = format!("127.0.0.1:{http_port}");
     let broker = spawn_binary(
         &dir.path().join("data"),
         &[
@@ -121,6 +131,9 @@ async fn amqp_over_tls_with_client_certificates_checked_against_the_ca() {
             &ca_file,
             "--tls-verify-peer",
             "--tls-fail-if-no-peer-cert",
+            "--management-listen",
+            &http_listen,
+            "--management-tls",
         ],
     )
     .await;
@@ -132,6 +145,22 @@ async fn amqp_over_tls_with_client_certificates_checked_against_the_ca() {
     assert!(first_answer(port, &authority, Some(&rogue))
         .await
         .is_empty());
+    // The management API over HTTPS (no client certificate asked for there).
+    let mut https = tls_connect(http_port, &authority, None)
+        .await
+        .expect("HTTPS handshake");
+    https
+        .write_all(
+            b"GET /api/whoami HTTP/1.1\r\nHost: localhost\r\n\
+              Authorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(WAIT, https.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"name\":\"guest\""), "{answer}");
     // The plain listener goes on beside it.
     let conn = lapin::Connection::connect(&broker.url, Default::default())
         .await
