@@ -997,3 +997,46 @@ def test_user_limits_are_answered_as_rabbitmq_answers_them():
         if conn is not None and conn.is_open:
             conn.close()
         api("DELETE", "/api/users/" + q(user))
+
+
+def test_topic_permissions_check_routing_keys_on_topic_exchanges():
+    user = unique("topic-user")
+    assert put_user(user, {"password": "pw", "tags": ""}) == 201
+    assert put_permissions("/", user, ".*", ".*", ".*") == 201
+    path = "/api/topic-permissions/%2F/" + q(user)
+    body = {"exchange": "amq.topic", "write": "^{username}\\.", "read": "^public\\."}
+    conn = None
+    try:
+        assert api("PUT", path, data=json.dumps(body).encode())[0] == 201
+        status, listed, _ = api("GET", path)
+        assert status == 200 and listed == [{"user": user, "vhost": "/", "exchange": "amq.topic",
+                                             "write": "^{username}\\.", "read": "^public\\."}]
+        status, missing, _ = api("PUT", path, data=b'{"exchange": "amq.topic", "write": ".*"}')
+        assert status == 400 and missing["reason"] == "[{key_missing,read}]"
+        conn = pika.BlockingConnection(make_params(credentials=pika.PlainCredentials(user, "pw")))
+        ch = conn.channel()
+        ch.confirm_delivery()
+        queue = ch.queue_declare(queue="", exclusive=True).method.queue
+        # Their own routing keys ({username} expanded), and bindings on public ones.
+        ch.queue_bind(queue=queue, exchange="amq.topic", routing_key="public.#")
+        ch.basic_publish("amq.topic", user + ".news", b"x")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            other = conn.channel()
+            other.basic_publish("amq.topic", "other.news", b"x")
+            other.basic_qos(prefetch_count=1)  # the refusal comes with the next round trip
+        assert e.value.reply_code == 403
+        assert e.value.reply_text == (
+            "ACCESS_REFUSED - write access to topic 'other.news' in exchange 'amq.topic' "
+            "in vhost '/' refused for user '%s'" % user)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            conn.channel().queue_bind(queue=queue, exchange="amq.topic", routing_key="secret.#")
+        assert e.value.reply_code == 403 and "read access to topic 'secret.#'" in e.value.reply_text
+        # Other exchanges are not concerned.
+        conn.channel().basic_publish("amq.direct", "anything", b"x")
+        assert api("DELETE", path)[0] == 204
+        assert api("DELETE", path)[0] == 404
+        conn.channel().basic_publish("amq.topic", "other.news", b"x")
+    finally:
+        if conn is not None and conn.is_open:
+            conn.close()
+        api("DELETE", "/api/users/" + q(user))

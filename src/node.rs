@@ -595,6 +595,7 @@ fn broker_from(recovered: &warren_storage::Recovered) -> anyhow::Result<(Broker,
                     warren_storage::Op::SetPermissions { .. }
                         | warren_storage::Op::PutVhostLimits { .. }
                         | warren_storage::Op::PutUserLimits { .. }
+                        | warren_storage::Op::SetTopicPermissions { .. }
                 ) =>
             {
                 warn!(error = %e.text, ?op, "a stored permission or limit names a user or vhost the store lacks: left out");

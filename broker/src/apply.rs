@@ -308,6 +308,7 @@ impl Broker {
                 self.replicated.users.remove(name);
                 // Their permissions and limits go with them (derived, in order).
                 self.clear_permissions(|u, _| u == name);
+                self.clear_topic_permissions(|u, _, _| u == name);
                 if self.replicated.user_limits.remove(name).is_some() && self.log.enabled {
                     self.log.write(Op::PutUserLimits {
                         user: name.clone(),
@@ -370,6 +371,37 @@ impl Broker {
                 if self.log.enabled {
                     self.log.write(op.clone());
                 }
+            }
+            Op::SetTopicPermissions {
+                user,
+                vhost,
+                exchange,
+                write,
+                read,
+            } => {
+                if !self.replicated.users.contains_key(user) || !self.has_vhost(vhost) {
+                    return Err(AmqpError::connection(
+                        warren_protocol::ReplyCode::NotFound,
+                        "vhost_or_user_not_found",
+                    ));
+                }
+                self.replicated.topic_permissions.insert(
+                    (user.clone(), vhost.clone(), exchange.clone()),
+                    Arc::new(permissions::TopicPermissions::new(write, read, user, vhost)),
+                );
+                self.local.permissions_generation += 1;
+                if self.log.enabled {
+                    self.log.write(op.clone());
+                }
+            }
+            Op::ClearTopicPermissions {
+                user,
+                vhost,
+                exchange,
+            } => {
+                self.clear_topic_permissions(|u, v, x| {
+                    u == user && v == vhost && (exchange.is_empty() || x == exchange)
+                });
             }
             Op::PutUserLimits { user, limits } => {
                 if !self.replicated.users.contains_key(user) {
@@ -470,6 +502,33 @@ impl Broker {
         self.local.permissions_generation += 1;
     }
 
+    /// Remove the topic permissions `which(user, vhost, exchange)` selects, each with its own
+    /// store write (one exchange each, so the store needs no lookup).
+    fn clear_topic_permissions(&mut self, which: impl Fn(&str, &str, &str) -> bool) {
+        let gone: Vec<(String, String, String)> = self
+            .replicated
+            .topic_permissions
+            .keys()
+            .filter(|(u, v, x)| which(u, v, x))
+            .cloned()
+            .collect();
+        for (user, vhost, exchange) in gone {
+            self.replicated.topic_permissions.remove(&(
+                user.clone(),
+                vhost.clone(),
+                exchange.clone(),
+            ));
+            if self.log.enabled {
+                self.log.write(Op::ClearTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                });
+            }
+        }
+        self.local.permissions_generation += 1;
+    }
+
     /// Remove a vhost (`Op::DeleteVhost`): its queues (with their messages; their consumers
     /// are told) and its exchanges go as the cascades `DeleteQueue` and `DeleteExchange`
     /// make, in name order (deterministic), then the vhost and its record. Its connections are
@@ -510,6 +569,7 @@ impl Broker {
         }
         self.replicated.vhosts.remove(name);
         self.clear_permissions(|_, v| v == name);
+        self.clear_topic_permissions(|_, v, _| v == name);
         if self.replicated.vhost_limits.remove(name).is_some() && self.log.enabled {
             self.log.write(Op::PutVhostLimits {
                 vhost: name.to_string(),

@@ -261,6 +261,9 @@ struct Replicated {
     /// Limits by vhost and by user (`Op::PutVhostLimits`, `Op::PutUserLimits`).
     vhost_limits: std::collections::BTreeMap<String, Vec<(String, i64)>>,
     user_limits: std::collections::BTreeMap<String, Vec<(String, i64)>>,
+    /// Topic permissions by (user, vhost, exchange).
+    topic_permissions:
+        std::collections::BTreeMap<(String, String, String), Arc<permissions::TopicPermissions>>,
 }
 
 /// Leader-local state: what the broker serving clients keeps for them.
@@ -453,6 +456,7 @@ impl Broker {
                 permissions: Default::default(),
                 vhost_limits: Default::default(),
                 user_limits: Default::default(),
+                topic_permissions: Default::default(),
             },
             local: Local {
                 conns: FxHashMap::default(),
@@ -548,6 +552,40 @@ impl Broker {
             .server_name
             .get_or_insert_with(|| random_name("amq.gen-"))
             .clone()
+    }
+
+    /// A user's topic permissions in a vhost, by exchange.
+    pub fn topic_permissions(
+        &self,
+        user: &str,
+        vhost: &str,
+    ) -> Vec<(String, Arc<permissions::TopicPermissions>)> {
+        self.replicated
+            .topic_permissions
+            .iter()
+            .filter(|((u, v, _), _)| u == user && v == vhost)
+            .map(|((_, _, x), p)| (x.clone(), p.clone()))
+            .collect()
+    }
+
+    /// Every (user, vhost, exchange, topic permissions), sorted.
+    pub fn topic_permission_list(
+        &self,
+    ) -> Vec<(String, String, String, Arc<permissions::TopicPermissions>)> {
+        self.replicated
+            .topic_permissions
+            .iter()
+            .map(|((u, v, x), p)| (u.clone(), v.clone(), x.clone(), p.clone()))
+            .collect()
+    }
+
+    /// Whether `name` is a topic exchange of `vhost` (topic permissions apply to those).
+    pub fn is_topic_exchange(&self, vhost: &str, name: &str) -> bool {
+        self.replicated
+            .vhosts
+            .get(vhost)
+            .and_then(|v| v.exchanges.get(name))
+            .is_some_and(|x| x.kind == ExchangeKind::Topic)
     }
 
     /// Limit `name` of `vhost`: None when not set or negative (RabbitMQ: no limit).
@@ -812,7 +850,9 @@ impl Broker {
             | Op::SetPermissions { .. }
             | Op::ClearPermissions { .. }
             | Op::PutVhostLimits { .. }
-            | Op::PutUserLimits { .. } => true,
+            | Op::PutUserLimits { .. }
+            | Op::SetTopicPermissions { .. }
+            | Op::ClearTopicPermissions { .. } => true,
         }
     }
 

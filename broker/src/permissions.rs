@@ -97,6 +97,44 @@ impl Permissions {
     }
 }
 
+/// A user's topic permissions on one topic exchange: expressions over routing keys, with
+/// `{username}` and `{vhost}` expanded (RabbitMQ's variable expansion).
+#[derive(Debug, Clone)]
+pub struct TopicPermissions {
+    /// As set (shown by the API).
+    pub write: String,
+    pub read: String,
+    compiled: Permissions,
+}
+
+impl TopicPermissions {
+    pub fn new(write: &str, read: &str, user: &str, vhost: &str) -> Self {
+        let expand = |e: &str| e.replace("{username}", user).replace("{vhost}", vhost);
+        TopicPermissions {
+            write: write.to_string(),
+            read: read.to_string(),
+            compiled: Permissions::new("", &expand(write), &expand(read)),
+        }
+    }
+
+    /// Whether `access` (write: publish, read: bind) with `routing_key` is allowed.
+    pub fn allows(&self, access: Access, routing_key: &str) -> bool {
+        self.compiled.allows(access, routing_key)
+    }
+}
+
+/// RabbitMQ's refusal of a topic permission (403 ACCESS_REFUSED, a channel error).
+pub fn topic_refusal(access: Access, key: &str, exchange: &str, vhost: &str, user: &str) -> String {
+    let what = if access == Access::Write {
+        "write"
+    } else {
+        "read"
+    };
+    format!(
+        "{what} access to topic '{key}' in exchange '{exchange}' in vhost '{vhost}' refused for user '{user}'"
+    )
+}
+
 /// RabbitMQ's refusal text (403 ACCESS_REFUSED, a channel error).
 pub fn refusal(resource: Resource, name: &str, vhost: &str, user: &str) -> String {
     format!(

@@ -19,6 +19,8 @@ pub struct ReplicatedView {
     pub vhosts: Vec<(String, String, Vec<String>)>,
     /// (user, vhost, configure, write, read) of every permission.
     pub permissions: Vec<(String, String, String, String, String)>,
+    /// (user, vhost, exchange, write, read) of every topic permission.
+    pub topic_permissions: Vec<(String, String, String, String, String)>,
     /// Limits by vhost, then by user.
     pub limits: (Vec<NamedLimits>, Vec<NamedLimits>),
     /// (vhost, name, kind, auto_delete, internal, arguments) of durable exchanges.
@@ -70,6 +72,11 @@ impl Broker {
                 .map(|(u, v, p)| (u, v, p.configure.clone(), p.write.clone(), p.read.clone()))
                 .collect(),
             limits: (self.vhost_limits(), self.user_limits()),
+            topic_permissions: self
+                .topic_permission_list()
+                .into_iter()
+                .map(|(u, v, x, p)| (u, v, x, p.write.clone(), p.read.clone()))
+                .collect(),
             exchanges: Vec::new(),
             queues: Vec::new(),
             bindings: Vec::new(),
@@ -237,6 +244,15 @@ impl Broker {
         }
         for (user, limits) in self.user_limits() {
             ops.push(Op::PutUserLimits { user, limits });
+        }
+        for (user, vhost, exchange, p) in self.topic_permission_list() {
+            ops.push(Op::SetTopicPermissions {
+                user,
+                vhost,
+                exchange,
+                write: p.write.clone(),
+                read: p.read.clone(),
+            });
         }
         for (_, q) in &queues {
             for (key, m, expires_at) in q.ready_messages()? {

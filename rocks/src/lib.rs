@@ -57,10 +57,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use warren_storage::codec::{
-    decode_entity_key, entity_key, BindingKey, ExchangeRecord, LimitsRecord, MessageEntry,
-    MessageRecord, PermissionRecord, QueueRecord, UserRecord, VhostRecord, BINDING_PREFIX,
-    EXCHANGE_PREFIX, PERMISSION_PREFIX, QUEUE_PREFIX, SHARED_TAG, USER_LIMITS_PREFIX, USER_PREFIX,
-    VHOST_LIMITS_PREFIX, VHOST_PREFIX,
+    decode_entity_key, entity_key, split_topic_permission_name, topic_permission_name, BindingKey,
+    ExchangeRecord, LimitsRecord, MessageEntry, MessageRecord, PermissionRecord, QueueRecord,
+    TopicPermissionRecord, UserRecord, VhostRecord, BINDING_PREFIX, EXCHANGE_PREFIX,
+    PERMISSION_PREFIX, QUEUE_PREFIX, SHARED_TAG, TOPIC_PERMISSION_PREFIX, USER_LIMITS_PREFIX,
+    USER_PREFIX, VHOST_LIMITS_PREFIX, VHOST_PREFIX,
 };
 use warren_storage::op::{BindingDest, Op};
 use warren_storage::{key_id, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -1010,6 +1011,49 @@ impl View<'_> {
                         batch.put_cf(&meta, key, rec.encode());
                     }
                 }
+                Op::SetTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                    write,
+                    read,
+                } => {
+                    let rec = TopicPermissionRecord {
+                        write: write.clone(),
+                        read: read.clone(),
+                    };
+                    let name = topic_permission_name(user, exchange);
+                    b.logged(self)?.put_cf(
+                        &meta,
+                        entity_key(TOPIC_PERMISSION_PREFIX, vhost, &name),
+                        rec.encode(),
+                    );
+                }
+                Op::ClearTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                } => {
+                    // One exchange's, or (exchange "") all of the user's in the vhost.
+                    let mut gone = Vec::new();
+                    if exchange.is_empty() {
+                        for (_, v, name, _) in self.meta_entities(TOPIC_PERMISSION_PREFIX)? {
+                            if v == *vhost
+                                && split_topic_permission_name(&name)
+                                    .is_some_and(|(u, _)| u == user)
+                            {
+                                gone.push(entity_key(TOPIC_PERMISSION_PREFIX, vhost, &name));
+                            }
+                        }
+                    } else {
+                        let name = topic_permission_name(user, exchange);
+                        gone.push(entity_key(TOPIC_PERMISSION_PREFIX, vhost, &name));
+                    }
+                    let batch = b.logged(self)?;
+                    for k in gone {
+                        batch.delete_cf(&meta, k);
+                    }
+                }
             }
         }
         if let Some(a) = applied {
@@ -1072,6 +1116,14 @@ impl View<'_> {
         for (_, _, name, v) in self.meta_entities(USER_LIMITS_PREFIX)? {
             let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_user_limits(&name, &l));
+        }
+        for (_, vhost, name, v) in self.meta_entities(TOPIC_PERMISSION_PREFIX)? {
+            let p = TopicPermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            let (user, exchange) = split_topic_permission_name(&name)
+                .ok_or_else(|| self.corrupt(format!("topic permission key {name:?}")))?;
+            ops.push(warren_storage::op::set_topic_permissions(
+                &vhost, user, exchange, &p,
+            ));
         }
         for (_, vhost, name, v) in self.meta_entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
@@ -1265,6 +1317,14 @@ impl View<'_> {
         for (_, name, v) in entities(USER_LIMITS_PREFIX)? {
             let l = LimitsRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
             ops.push(warren_storage::op::put_user_limits(&name, &l));
+        }
+        for (vhost, name, v) in entities(TOPIC_PERMISSION_PREFIX)? {
+            let p = TopicPermissionRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;
+            let (user, exchange) = split_topic_permission_name(&name)
+                .ok_or_else(|| self.corrupt(format!("topic permission key {name:?}")))?;
+            ops.push(warren_storage::op::set_topic_permissions(
+                &vhost, user, exchange, &p,
+            ));
         }
         for (vhost, name, v) in entities(EXCHANGE_PREFIX)? {
             let x = ExchangeRecord::decode(v).map_err(|e| self.corrupt(e.to_string()))?;

@@ -233,6 +233,16 @@ impl warren_storage::SnapshotSink for Definitions<'_> {
                     user,
                     limits: Vec::new(),
                 }),
+                Op::SetTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                    ..
+                } => self.0.push(Op::ClearTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                }),
                 Op::Enqueue { .. } => return Ok(false),
                 _ => {}
             }

@@ -1,7 +1,7 @@
 //! The protocol state of one connection: handshake, channels, and the one exhaustive dispatch
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
-use crate::broker::permissions::{Access, Permissions, Resource};
+use crate::broker::permissions::{Access, Permissions, Resource, TopicPermissions};
 use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::Done;
 use crate::node::{Caller, Shared};
@@ -173,9 +173,61 @@ pub(crate) fn exchange_or_default(name: &str) -> &str {
 /// method; RabbitMQ caches checks per channel). Checked inside the core call that makes the
 /// change, so the check and the change see the same state.
 #[derive(Debug, Default)]
-pub(crate) struct Grant(std::cell::RefCell<Option<(u64, Option<Arc<Permissions>>)>>);
+pub(crate) struct Grant(std::cell::RefCell<Option<Granted>>);
+
+/// What `Grant` keeps: the broker's permissions generation it was read at, the permissions,
+/// and the topic permissions by exchange.
+type Granted = (
+    u64,
+    Option<Arc<Permissions>>,
+    Vec<(String, Arc<TopicPermissions>)>,
+);
 
 impl Grant {
+    /// The cached grant, read again from `b` when the permissions changed.
+    fn current(
+        &self,
+        b: &Broker,
+        user: &str,
+        vhost: &str,
+    ) -> std::cell::RefMut<'_, Option<Granted>> {
+        let generation = b.permissions_generation();
+        let mut cached = self.0.borrow_mut();
+        if !matches!(&*cached, Some((g, _, _)) if *g == generation) {
+            *cached = Some((
+                generation,
+                b.permissions(user, vhost),
+                b.topic_permissions(user, vhost),
+            ));
+        }
+        cached
+    }
+
+    /// The topic permission check of a publish (write) or a binding (read) with `key` on the
+    /// topic exchange `exchange`: allowed when the user has none for it (RabbitMQ).
+    pub(crate) fn check_topic(
+        &self,
+        b: &Broker,
+        user: &str,
+        vhost: &str,
+        access: Access,
+        exchange: &str,
+        key: &str,
+    ) -> Result<(), AmqpError> {
+        let cached = self.current(b, user, vhost);
+        let Some((_, _, topics)) = &*cached else {
+            return Ok(());
+        };
+        let Some((_, t)) = topics.iter().find(|(x, _)| x == exchange) else {
+            return Ok(());
+        };
+        if t.allows(access, key) || !b.is_topic_exchange(vhost, exchange) {
+            return Ok(());
+        }
+        Err(AmqpError::access_refused(
+            crate::broker::permissions::topic_refusal(access, key, exchange, vhost, user),
+        ))
+    }
     /// Whether `user` may have `access` to the queue or exchange `name` in `vhost`, by
     /// RabbitMQ's access-control table; else its 403 ACCESS_REFUSED (a channel error).
     pub(crate) fn check(
@@ -187,16 +239,10 @@ impl Grant {
         resource: Resource,
         name: &str,
     ) -> Result<(), AmqpError> {
-        let generation = b.permissions_generation();
-        let mut cached = self.0.borrow_mut();
-        let perms = match &*cached {
-            Some((g, perms)) if *g == generation => perms.clone(),
-            _ => {
-                let perms = b.permissions(user, vhost);
-                *cached = Some((generation, perms.clone()));
-                perms
-            }
-        };
+        let perms = self
+            .current(b, user, vhost)
+            .as_ref()
+            .and_then(|(_, p, _)| p.clone());
         if perms.is_some_and(|p| p.allows(access, name)) {
             return Ok(());
         }

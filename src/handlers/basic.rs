@@ -261,6 +261,14 @@ impl Session {
                     Resource::Exchange,
                     exchange_or_default(&msg.exchange),
                 )?;
+                grant.check_topic(
+                    b,
+                    user,
+                    vhost,
+                    Access::Write,
+                    &msg.exchange,
+                    &msg.routing_key,
+                )?;
                 b.route(vhost, msg.exchange.as_ref(), &msg).map(|_| ())
             })
             .map_err(|e| e.on(60, 40))?;
@@ -325,6 +333,14 @@ impl Session {
                     Access::Write,
                     Resource::Exchange,
                     exchange_or_default(&msg.exchange),
+                )?;
+                self.grant.check_topic(
+                    b,
+                    user,
+                    vhost,
+                    Access::Write,
+                    &msg.exchange,
+                    &msg.routing_key,
                 )?;
             }
             let outcome = b.publish(&self.vhost, msg.clone(), fx)?;

@@ -147,6 +147,8 @@ impl Session {
                 Resource::Exchange,
                 exchange_or_default(source),
             )?;
+            self.grant
+                .check_topic(b, user, vhost, Access::Read, source, routing_key)?;
             b.exchange_bind(
                 &self.vhost,
                 destination,

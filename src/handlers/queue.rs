@@ -176,6 +176,8 @@ impl Session {
                 Resource::Exchange,
                 exchange_or_default(exchange),
             )?;
+            self.grant
+                .check_topic(b, user, vhost, Access::Read, exchange, routing_key)?;
             b.queue_bind(
                 conn,
                 &self.vhost,

@@ -161,7 +161,14 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
         doc.insert("users".into(), Value::Array(users));
         doc.insert("vhosts".into(), Value::Array(vhosts));
         doc.insert("permissions".into(), Value::Array(permissions));
-        doc.insert("topic_permissions".into(), json!([]));
+        let topic: Vec<Value> = b
+            .topic_permission_list()
+            .iter()
+            .map(|(u, v, x, p)| {
+                json!({"user": u, "vhost": v, "exchange": x, "write": p.write, "read": p.read})
+            })
+            .collect();
+        doc.insert("topic_permissions".into(), Value::Array(topic));
         doc.insert("global_parameters".into(), json!([]));
     }
     doc.insert("parameters".into(), Value::Array(parameters));
@@ -374,6 +381,24 @@ pub(crate) fn import(
             };
             b.apply(&op, fx)
                 .map_err(refused(format!("permission of {user} in {vhost}")))?;
+        }
+    }
+    if only.is_none() {
+        for p in list(doc, "topic_permissions")? {
+            let p = object(p, "topic_permissions")?;
+            let (user, vhost) = (
+                string(p, "user", "topic permission")?,
+                string(p, "vhost", "topic permission")?,
+            );
+            let op = Op::SetTopicPermissions {
+                user: user.clone(),
+                vhost: vhost.clone(),
+                exchange: string(p, "exchange", "topic permission")?,
+                write: string(p, "write", "topic permission")?,
+                read: string(p, "read", "topic permission")?,
+            };
+            b.apply(&op, fx)
+                .map_err(refused(format!("topic permission of {user} in {vhost}")))?;
         }
     }
     // Vhost limits, RabbitMQ's "vhost-limits" runtime parameters (other parameters are not

@@ -153,6 +153,24 @@ fn router(shared: Arc<Shared>) -> Router {
             get(permissions::user_permissions),
         )
         .route("/api/permissions", get(permissions::permissions))
+        .route(
+            "/api/topic-permissions",
+            get(permissions::topic_permissions),
+        )
+        .route(
+            "/api/topic-permissions/{vhost}/{user}",
+            get(permissions::topic_permission)
+                .put(permissions::put_topic_permission)
+                .delete(permissions::delete_topic_permission),
+        )
+        .route(
+            "/api/vhosts/{vhost}/topic-permissions",
+            get(permissions::vhost_topic_permissions),
+        )
+        .route(
+            "/api/users/{name}/topic-permissions",
+            get(permissions::user_topic_permissions),
+        )
         .route("/api/vhost-limits", get(limits::vhost_limits))
         .route("/api/vhost-limits/{vhost}", get(limits::vhost_limits_of))
         .route(

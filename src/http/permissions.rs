@@ -172,3 +172,159 @@ pub(super) async fn delete_permission(
     .await;
     no_content(result)
 }
+
+// ------------------------------------------------------------------ topic permissions
+
+fn topic_json(user: &str, vhost: &str, exchange: &str, write: &str, read: &str) -> Value {
+    json!({"user": user, "vhost": vhost, "exchange": exchange, "write": write, "read": read})
+}
+
+/// The topic permissions `keep(user, vhost)` selects, as a JSON list.
+fn topic_list(shared: &crate::node::Shared, keep: impl Fn(&str, &str) -> bool) -> Vec<Value> {
+    shared
+        .query(|b| b.topic_permission_list())
+        .iter()
+        .filter(|(u, v, _, _)| keep(u, v))
+        .map(|(u, v, x, p)| topic_json(u, v, x, &p.write, &p.read))
+        .collect()
+}
+
+pub(super) async fn topic_permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    Json(Value::Array(topic_list(&shared, |_, _| true))).into_response()
+}
+
+pub(super) async fn vhost_topic_permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(vhost): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    if !shared.query(|b| b.has_vhost(&vhost)) {
+        return not_found();
+    }
+    Json(Value::Array(topic_list(&shared, |_, v| v == vhost))).into_response()
+}
+
+pub(super) async fn user_topic_permissions(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path(user): Path<String>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    if !shared.query(|b| b.user(&user).is_some()) {
+        return not_found();
+    }
+    Json(Value::Array(topic_list(&shared, |u, _| u == user))).into_response()
+}
+
+/// GET /api/topic-permissions/{vhost}/{user}: a list, one per exchange (404 when none).
+pub(super) async fn topic_permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let list = topic_list(&shared, |u, v| u == user && v == vhost);
+    if list.is_empty() {
+        return not_found();
+    }
+    Json(Value::Array(list)).into_response()
+}
+
+/// PUT /api/topic-permissions/{vhost}/{user} `{"exchange": X, "write": RE, "read": RE}`: 201
+/// when the user had none in the vhost, else 204 (RabbitMQ).
+pub(super) async fn put_topic_permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let m = match body_object(&body) {
+        Ok(m) => m,
+        Err(reason) => return bad_request(&reason),
+    };
+    let missing: Vec<String> = ["exchange", "write", "read"]
+        .iter()
+        .filter(|k| !m.contains_key(**k))
+        .map(|k| format!("{{key_missing,{k}}}"))
+        .collect();
+    if !missing.is_empty() {
+        return bad_request(&format!("[{}]", missing.join(",")));
+    }
+    let mut fields = Vec::new();
+    for key in ["exchange", "write", "read"] {
+        let Some(v) = m.get(key).and_then(Value::as_str) else {
+            return bad_request(&format!("{key} must be a string"));
+        };
+        if key != "exchange" {
+            if let Err(e) = check(v) {
+                return bad_request(&format!("invalid_regexp: {key} {v:?}: {e}"));
+            }
+        }
+        fields.push(v.to_string());
+    }
+    let [exchange, write, read] = <[String; 3]>::try_from(fields).unwrap_or_default();
+    let op = Op::SetTopicPermissions {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        exchange,
+        write,
+        read,
+    };
+    let result = change(&shared, |b, fx| {
+        if b.user(&user).is_none() || !b.has_vhost(&vhost) {
+            return Err(AmqpError::connection(
+                ReplyCode::PreconditionFailed,
+                "vhost_or_user_not_found",
+            ));
+        }
+        let had = !b.topic_permissions(&user, &vhost).is_empty();
+        b.apply(&op, fx).map(|()| had)
+    })
+    .await;
+    match result {
+        Ok(true) => StatusCode::NO_CONTENT.into_response(),
+        Ok(false) => StatusCode::CREATED.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// DELETE /api/topic-permissions/{vhost}/{user}: all of the user's in the vhost (204; 404 when
+/// none).
+pub(super) async fn delete_topic_permission(
+    State(shared): Api,
+    Extension(Login(me)): Extension<Login>,
+    Path((vhost, user)): Path<(String, String)>,
+) -> Response {
+    if !is_administrator(&shared, &me) {
+        return not_administrator();
+    }
+    let op = Op::ClearTopicPermissions {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        exchange: String::new(),
+    };
+    let result = change(&shared, |b, fx| {
+        if b.topic_permissions(&user, &vhost).is_empty() {
+            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
+        }
+        b.apply(&op, fx)
+    })
+    .await;
+    no_content(result)
+}

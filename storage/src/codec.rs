@@ -258,6 +258,42 @@ impl LimitsRecord {
     }
 }
 
+/// A user's topic permissions on an exchange (key: `T` + vhost + user NUL exchange; a user
+/// name never holds a NUL: SASL separates with it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TopicPermissionRecord {
+    pub write: String,
+    pub read: String,
+}
+
+impl TopicPermissionRecord {
+    pub fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        b.put_u8(VERSION);
+        put_str(&mut b, self.write.as_bytes());
+        put_str(&mut b, self.read.as_bytes());
+        b.freeze()
+    }
+
+    pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
+        check_version(&mut b)?;
+        Ok(TopicPermissionRecord {
+            write: get_string(&mut b)?,
+            read: get_string(&mut b)?,
+        })
+    }
+}
+
+/// The name part of a topic permission's key: user NUL exchange.
+pub fn topic_permission_name(user: &str, exchange: &str) -> String {
+    format!("{user}\0{exchange}")
+}
+
+/// (user, exchange) from `topic_permission_name`'s form.
+pub fn split_topic_permission_name(name: &str) -> Option<(&str, &str)> {
+    name.split_once('\0')
+}
+
 /// A binding, encoded whole as a key (its value is empty).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BindingKey {
@@ -282,6 +318,8 @@ pub const PERMISSION_PREFIX: u8 = b'P';
 pub const VHOST_LIMITS_PREFIX: u8 = b'L';
 /// User limits: `M` + an empty vhost + the user's name.
 pub const USER_LIMITS_PREFIX: u8 = b'M';
+/// Topic permissions: `T` + the vhost + user NUL exchange.
+pub const TOPIC_PERMISSION_PREFIX: u8 = b'T';
 
 /// `X`/`Q` + vhost + name.
 pub fn entity_key(prefix: u8, vhost: &str, name: &str) -> Bytes {

@@ -3,7 +3,7 @@
 
 use crate::codec::{
     BindingKey, ExchangeRecord, LimitsRecord, MessageRecord, PermissionRecord, QueueRecord,
-    UserRecord, VhostRecord,
+    TopicPermissionRecord, UserRecord, VhostRecord,
 };
 use crate::op::{BindingDest, Op};
 use crate::{LevelSummary, QueueSummary, Recovered, Store, StoreError, StoredMessage};
@@ -21,6 +21,8 @@ struct State {
     permissions: BTreeMap<(String, String), PermissionRecord>,
     vhost_limits: BTreeMap<String, LimitsRecord>,
     user_limits: BTreeMap<String, LimitsRecord>,
+    /// By (vhost, user, exchange).
+    topic_permissions: BTreeMap<(String, String, String), TopicPermissionRecord>,
     /// Each queue's messages by key; `true` marks a spilled transient one.
     messages: BTreeMap<(String, String), BTreeMap<u64, (MessageRecord, bool)>>,
     /// `Store::write_applied`'s position.
@@ -264,6 +266,29 @@ impl MemStore {
                         s.user_limits.insert(user.clone(), rec);
                     }
                 }
+                Op::SetTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                    write,
+                    read,
+                } => {
+                    let rec = TopicPermissionRecord {
+                        write: write.clone(),
+                        read: read.clone(),
+                    };
+                    s.topic_permissions
+                        .insert((vhost.clone(), user.clone(), exchange.clone()), rec);
+                }
+                Op::ClearTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                } => {
+                    s.topic_permissions.retain(|(v, u, x), _| {
+                        !(v == vhost && u == user && (exchange.is_empty() || x == exchange))
+                    });
+                }
             }
         }
         if let Some(a) = applied {
@@ -428,6 +453,9 @@ fn definition_ops(s: &State) -> Vec<Op> {
     }
     for (user, l) in &s.user_limits {
         ops.push(crate::op::put_user_limits(user, l));
+    }
+    for ((vhost, user, exchange), p) in &s.topic_permissions {
+        ops.push(crate::op::set_topic_permissions(vhost, user, exchange, p));
     }
     for ((vhost, name), x) in &s.exchanges {
         ops.push(crate::op::declare_exchange(vhost, name, x));

@@ -167,6 +167,21 @@ pub enum Op {
         user: String,
         limits: Vec<(String, i64)>,
     },
+    /// A user's topic permissions on a topic exchange of a vhost: expressions over the routing
+    /// keys they may publish with (`write`) and bind with (`read`).
+    SetTopicPermissions {
+        user: String,
+        vhost: String,
+        exchange: String,
+        write: String,
+        read: String,
+    },
+    /// Take a user's topic permissions in a vhost away: on one exchange, or on all ("").
+    ClearTopicPermissions {
+        user: String,
+        vhost: String,
+        exchange: String,
+    },
 }
 
 impl Op {
@@ -190,6 +205,9 @@ impl Op {
             Op::SetPermissions { vhost, .. } | Op::ClearPermissions { vhost, .. } => vhost,
             Op::PutVhostLimits { vhost, .. } => vhost,
             Op::PutUserLimits { .. } => "",
+            Op::SetTopicPermissions { vhost, .. } | Op::ClearTopicPermissions { vhost, .. } => {
+                vhost
+            }
         }
     }
 }
@@ -328,6 +346,22 @@ pub fn put_user_limits(user: &str, l: &crate::codec::LimitsRecord) -> Op {
     Op::PutUserLimits {
         user: user.to_string(),
         limits: l.limits.clone(),
+    }
+}
+
+/// The op that recreates stored topic permissions (for store implementations, at recovery).
+pub fn set_topic_permissions(
+    vhost: &str,
+    user: &str,
+    exchange: &str,
+    p: &crate::codec::TopicPermissionRecord,
+) -> Op {
+    Op::SetTopicPermissions {
+        user: user.to_string(),
+        vhost: vhost.to_string(),
+        exchange: exchange.to_string(),
+        write: p.write.clone(),
+        read: p.read.clone(),
     }
 }
 

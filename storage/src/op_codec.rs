@@ -48,6 +48,8 @@
 //! | 18  | `ClearPermissions`| user, vhost                                                         |
 //! | 19  | `PutVhostLimits`  | vhost, limits (count + (name, i64) each)                            |
 //! | 20  | `PutUserLimits`   | user, limits (count + (name, i64) each)                             |
+//! | 21  | `SetTopicPermissions` | user, vhost, exchange, write, read                              |
+//! | 22  | `ClearTopicPermissions` | user, vhost, exchange                                         |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -90,13 +92,15 @@ pub const TAG_SET_PERMISSIONS: u8 = 17;
 pub const TAG_CLEAR_PERMISSIONS: u8 = 18;
 pub const TAG_PUT_VHOST_LIMITS: u8 = 19;
 pub const TAG_PUT_USER_LIMITS: u8 = 20;
+pub const TAG_SET_TOPIC_PERMISSIONS: u8 = 21;
+pub const TAG_CLEAR_TOPIC_PERMISSIONS: u8 = 22;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 20] = [
+const ALL_TAGS: [u8; 22] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -117,6 +121,8 @@ const ALL_TAGS: [u8; 20] = [
     TAG_CLEAR_PERMISSIONS,
     TAG_PUT_VHOST_LIMITS,
     TAG_PUT_USER_LIMITS,
+    TAG_SET_TOPIC_PERMISSIONS,
+    TAG_CLEAR_TOPIC_PERMISSIONS,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -161,6 +167,8 @@ pub fn tag(op: &Op) -> u8 {
         Op::ClearPermissions { .. } => TAG_CLEAR_PERMISSIONS,
         Op::PutVhostLimits { .. } => TAG_PUT_VHOST_LIMITS,
         Op::PutUserLimits { .. } => TAG_PUT_USER_LIMITS,
+        Op::SetTopicPermissions { .. } => TAG_SET_TOPIC_PERMISSIONS,
+        Op::ClearTopicPermissions { .. } => TAG_CLEAR_TOPIC_PERMISSIONS,
     }
 }
 
@@ -417,6 +425,26 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             for (k, v) in limits {
                 put_bytes(b, k.as_bytes())?;
                 b.put_i64(*v);
+            }
+        }
+        Op::SetTopicPermissions {
+            user,
+            vhost,
+            exchange,
+            write,
+            read,
+        } => {
+            for s in [user, vhost, exchange, write, read] {
+                put_bytes(b, s.as_bytes())?;
+            }
+        }
+        Op::ClearTopicPermissions {
+            user,
+            vhost,
+            exchange,
+        } => {
+            for s in [user, vhost, exchange] {
+                put_bytes(b, s.as_bytes())?;
             }
         }
     }
@@ -718,6 +746,18 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
                 Op::PutUserLimits { user: name, limits }
             }
         }
+        TAG_SET_TOPIC_PERMISSIONS => Op::SetTopicPermissions {
+            user: get_string(b)?,
+            vhost: get_string(b)?,
+            exchange: get_string(b)?,
+            write: get_string(b)?,
+            read: get_string(b)?,
+        },
+        TAG_CLEAR_TOPIC_PERMISSIONS => Op::ClearTopicPermissions {
+            user: get_string(b)?,
+            vhost: get_string(b)?,
+            exchange: get_string(b)?,
+        },
         _ => return Err(DecodeError("unknown op tag")),
     };
     Ok(op)
@@ -1055,6 +1095,32 @@ mod tests {
     }
 
     #[test]
+    fn golden_set_topic_permissions() {
+        golden(
+            Op::SetTopicPermissions {
+                user: "u".into(),
+                vhost: "/".into(),
+                exchange: "t".into(),
+                write: "^a".into(),
+                read: "".into(),
+            },
+            "15 | 00000001 75 | 00000001 2f | 00000001 74 | 00000002 5e61 | 00000000",
+        );
+    }
+
+    #[test]
+    fn golden_clear_topic_permissions() {
+        golden(
+            Op::ClearTopicPermissions {
+                user: "u".into(),
+                vhost: "/".into(),
+                exchange: "".into(),
+            },
+            "16 | 00000001 75 | 00000001 2f | 00000000",
+        );
+    }
+
+    #[test]
     fn golden_empty_entry() {
         assert_eq!(&encode_ops(&[]).unwrap()[..], &hex("01 00000000")[..]);
         assert_eq!(decode_ops(Bytes::from(hex("01 00000000"))), Ok(vec![]));
@@ -1175,6 +1241,18 @@ mod tests {
                 user: "u".into(),
                 limits: vec![("max-channels".into(), 0)],
             },
+            Op::SetTopicPermissions {
+                user: "u".into(),
+                vhost: "v".into(),
+                exchange: "t".into(),
+                write: ".*".into(),
+                read: ".*".into(),
+            },
+            Op::ClearTopicPermissions {
+                user: "u".into(),
+                vhost: "v".into(),
+                exchange: "t".into(),
+            },
         ]
     }
 
@@ -1183,7 +1261,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=20).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=22).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1257,7 +1335,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 21, 255] {
+        for t in [0u8, 23, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1562,6 +1640,22 @@ mod tests {
                     .prop_map(|(vhost, limits)| Op::PutVhostLimits { vhost, limits }),
                 (string(), vec((string(), any::<i64>()), 0..3))
                     .prop_map(|(user, limits)| Op::PutUserLimits { user, limits }),
+                (string(), string(), string(), string(), string()).prop_map(
+                    |(user, vhost, exchange, write, read)| Op::SetTopicPermissions {
+                        user,
+                        vhost,
+                        exchange,
+                        write,
+                        read,
+                    }
+                ),
+                (string(), string(), string()).prop_map(|(user, vhost, exchange)| {
+                    Op::ClearTopicPermissions {
+                        user,
+                        vhost,
+                        exchange,
+                    }
+                }),
             ]
         }
 

@@ -301,6 +301,37 @@ fn vhosts_survive(open: &dyn Fn() -> Box<dyn Store>) {
         .map(|op| format!("{op:?}"))
         .collect();
     assert_eq!(perms, [format!("{:?}", perm("ann", "^b"))]);
+    // Topic permissions: by exchange; a clear takes one exchange's.
+    let s = open();
+    let tp = |exchange: &str, write: &str| Op::SetTopicPermissions {
+        user: "ann".into(),
+        vhost: "shop".into(),
+        exchange: exchange.into(),
+        write: write.into(),
+        read: ".*".into(),
+    };
+    s.write(
+        &[
+            tp("t1", "^a"),
+            tp("t2", "^b"),
+            tp("t1", "^c"),
+            Op::ClearTopicPermissions {
+                user: "ann".into(),
+                vhost: "shop".into(),
+                exchange: "t2".into(),
+            },
+        ],
+        true,
+    )
+    .unwrap();
+    drop(s);
+    let ops = open().recover().unwrap().ops;
+    let topic: Vec<String> = ops
+        .iter()
+        .filter(|op| matches!(op, Op::SetTopicPermissions { .. }))
+        .map(|op| format!("{op:?}"))
+        .collect();
+    assert_eq!(topic, [format!("{:?}", tp("t1", "^c"))]);
     // Limits: the latest of each; an empty list clears them.
     let s = open();
     let vl = |n: i64| Op::PutVhostLimits {
