@@ -881,6 +881,12 @@ def test_the_api_shows_and_changes_what_the_users_tags_and_permissions_allow():
         assert status == 200 and hidden not in names(queues)
         status, queues, _ = api("GET", "/api/queues", user=monitor, password="pw")
         assert status == 200 and hidden in names(queues)
+        # The overview counts what they may see: not the queue in "/".
+        status, overview, _ = api("GET", "/api/overview", **as_manager)
+        assert status == 200 and overview["object_totals"]["queues"] == 0
+        assert overview["object_totals"]["connections"] == 0
+        status, overview, _ = api("GET", "/api/overview", user=monitor, password="pw")
+        assert overview["object_totals"]["queues"] >= 1
         status, body, _ = api("GET", "/api/queues/%2F", **as_manager)
         assert status == 401 and body["error"] == "not_authorised"
         assert api("GET", "/api/exchanges/%2F/amq.direct", **as_manager)[0] == 401

@@ -1,19 +1,28 @@
 //! `/api/overview`: versions, object and message totals, listeners.
 
-use super::{node_name, Api};
-use axum::extract::State;
+use super::access::Viewer;
+use super::{node_name, Api, Login};
+use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-pub(super) async fn overview(State(shared): Api) -> Response {
-    let (queues, exchanges, (connections, channels)) = shared.query(|b| {
+/// Totals over what the user may see (RabbitMQ: management users, their vhosts' objects and
+/// their own connections; administrators and monitoring users, everything).
+pub(super) async fn overview(State(shared): Api, Extension(login): Extension<Login>) -> Response {
+    let viewer = Viewer::of(&shared, &login);
+    let (mut queues, mut exchanges, (mut connections, mut channels)) = shared.query(|b| {
         (
             b.queue_views(None),
             b.exchange_views(None),
             b.connection_totals(),
         )
     });
+    if !viewer.sees_all {
+        queues.retain(|q| viewer.sees(&q.vhost));
+        exchanges.retain(|x| viewer.sees(&x.vhost));
+        (connections, channels) = shared.query(|b| b.usage_of(&viewer.user));
+    }
     let ready: u64 = queues.iter().map(|q| q.messages_ready).sum();
     let unacked: u64 = queues.iter().map(|q| q.messages_unacknowledged).sum();
     let consumers: usize = queues.iter().map(|q| q.consumers).sum();
