@@ -570,7 +570,9 @@ def test_a_vhost_keeps_its_own_names_and_its_deletion_takes_everything_in_it():
             while time.time() < deadline:
                 conn.process_data_events(time_limit=0.2)
         assert closed.value.reply_code == 320
-        assert "vhost '%s' is deleted" % name in closed.value.reply_text
+        # RabbitMQ 3.10.8 says "is deleted", or now and then "is down" (two closers race).
+        assert ("vhost '%s' is deleted" % name in closed.value.reply_text
+                or "vhost '%s' is down" % name in closed.value.reply_text)
         assert api("GET", "/api/queues/%s/%s" % (q(name), q(queue)))[0] == 404
         # A connection to it is refused as RabbitMQ refuses it.
         # (pika reports a close during the handshake as a probable access denial.)
@@ -789,10 +791,14 @@ def test_definitions_are_exported_as_rabbitmq_exports_them():
         assert vhost in [v["name"] for v in doc["vhosts"]]
         assert {"user": user, "vhost": vhost, "configure": "^a", "write": ".*",
                 "read": ""} in doc["permissions"]
-        mine = lambda items: [x for x in items if x.get("vhost") == vhost]
+        # Every queue but exclusive ones, transient too (RabbitMQ 3.10.8 exports them).
+        mine = lambda items: sorted((x for x in items if x.get("vhost") == vhost),
+                                    key=lambda x: x.get("name", x.get("source", "")))
         assert mine(doc["queues"]) == [{"name": "q1", "vhost": vhost, "durable": True,
                                         "auto_delete": False,
-                                        "arguments": {"x-max-length": 7}}]
+                                        "arguments": {"x-max-length": 7}},
+                                       {"name": "transient", "vhost": vhost, "durable": False,
+                                        "auto_delete": False, "arguments": {}}]
         assert [x["name"] for x in mine(doc["exchanges"])] == ["x1"]
         assert mine(doc["bindings"]) == [{"source": "x1", "vhost": vhost, "destination": "q1",
                                           "destination_type": "queue", "routing_key": "k.#",
@@ -800,8 +806,9 @@ def test_definitions_are_exported_as_rabbitmq_exports_them():
         # Per vhost: its queues, exchanges and bindings, without vhost fields.
         status, one, _ = api("GET", "/api/definitions/" + q(vhost))
         assert status == 200 and "users" not in one
-        assert one["queues"] == [{"name": "q1", "durable": True, "auto_delete": False,
-                                  "arguments": {"x-max-length": 7}}]
+        q1 = [x for x in one["queues"] if x["name"] == "q1"]
+        assert q1 == [{"name": "q1", "durable": True, "auto_delete": False,
+                       "arguments": {"x-max-length": 7}}]
         # Only administrators export.
         status, body, _ = api("GET", "/api/definitions", user=user, password="pw")
         assert status == 401 and body["reason"] == "Not administrator user"
@@ -879,8 +886,12 @@ def test_the_api_shows_and_changes_what_the_users_tags_and_permissions_allow():
         assert status == 200 and names(vhosts) == {vhost}
         status, queues, _ = api("GET", "/api/queues", **as_manager)
         assert status == 200 and hidden not in names(queues)
+        # A monitoring user sees every vhost, but a vhost's queues only with permissions
+        # there (RabbitMQ 3.10.8).
+        status, vhosts, _ = api("GET", "/api/vhosts", user=monitor, password="pw")
+        assert status == 200 and {"/", vhost} <= names(vhosts)
         status, queues, _ = api("GET", "/api/queues", user=monitor, password="pw")
-        assert status == 200 and hidden in names(queues)
+        assert status == 200 and hidden not in names(queues)
         # The overview counts what they may see: not the queue in "/".
         status, overview, _ = api("GET", "/api/overview", **as_manager)
         assert status == 200 and overview["object_totals"]["queues"] == 0
@@ -893,10 +904,15 @@ def test_the_api_shows_and_changes_what_the_users_tags_and_permissions_allow():
         # Connections: their own only; the guest connection is not theirs to see or close.
         status, conns, _ = api("GET", "/api/connections", **as_manager)
         assert status == 200 and all(c["user"] == manager for c in conns)
-        status, conns, _ = api("GET", "/api/connections", user=monitor, password="pw")
-        assert any(c["user"] == USER for c in conns)
-        guest_conn = [c for c in conns if c["user"] == USER][0]["name"]
-        assert api("DELETE", "/api/connections/" + q(guest_conn), **as_manager)[0] == 404
+        # (RabbitMQ lists a new connection after its statistics interval: polled.)
+        deadline, guests = time.time() + 15, []
+        while not guests and time.time() < deadline:
+            status, conns, _ = api("GET", "/api/connections", user=monitor, password="pw")
+            guests = [c for c in conns if c["user"] == USER]
+            time.sleep(0.2)
+        assert guests, "the monitoring user does not see guest's connection"
+        status, body, _ = api("DELETE", "/api/connections/" + q(guests[0]["name"]), **as_manager)
+        assert status == 401 and body["reason"] == "User not authorised to access object"
         assert conn.is_open
         # Changes follow their permissions in the vhost, as the AMQP methods would.
         base = "/api/queues/%s/" % q(vhost)
@@ -1032,11 +1048,12 @@ def test_topic_permissions_check_routing_keys_on_topic_exchanges():
             other.basic_qos(prefetch_count=1)  # the refusal comes with the next round trip
         assert e.value.reply_code == 403
         assert e.value.reply_text == (
-            "ACCESS_REFUSED - write access to topic 'other.news' in exchange 'amq.topic' "
+            "ACCESS_REFUSED - access to topic 'other.news' in exchange 'amq.topic' "
             "in vhost '/' refused for user '%s'" % user)
         with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
             conn.channel().queue_bind(queue=queue, exchange="amq.topic", routing_key="secret.#")
-        assert e.value.reply_code == 403 and "read access to topic 'secret.#'" in e.value.reply_text
+        assert e.value.reply_code == 403
+        assert "ACCESS_REFUSED - access to topic 'secret.#'" in e.value.reply_text
         # Other exchanges are not concerned.
         conn.channel().basic_publish("amq.direct", "anything", b"x")
         assert api("DELETE", path)[0] == 204

@@ -123,15 +123,11 @@ impl TopicPermissions {
     }
 }
 
-/// RabbitMQ's refusal of a topic permission (403 ACCESS_REFUSED, a channel error).
-pub fn topic_refusal(access: Access, key: &str, exchange: &str, vhost: &str, user: &str) -> String {
-    let what = if access == Access::Write {
-        "write"
-    } else {
-        "read"
-    };
+/// RabbitMQ 3.10's refusal of a topic permission (403 ACCESS_REFUSED, a channel error): the
+/// same for writing and reading.
+pub fn topic_refusal(key: &str, exchange: &str, vhost: &str, user: &str) -> String {
     format!(
-        "{what} access to topic '{key}' in exchange '{exchange}' in vhost '{vhost}' refused for user '{user}'"
+        "access to topic '{key}' in exchange '{exchange}' in vhost '{vhost}' refused for user '{user}'"
     )
 }
 

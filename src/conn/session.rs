@@ -225,7 +225,7 @@ impl Grant {
             return Ok(());
         }
         Err(AmqpError::access_refused(
-            crate::broker::permissions::topic_refusal(access, key, exchange, vhost, user),
+            crate::broker::permissions::topic_refusal(key, exchange, vhost, user),
         ))
     }
     /// Whether `user` may have `access` to the queue or exchange `name` in `vhost`, by

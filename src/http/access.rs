@@ -1,9 +1,10 @@
-//! Who sees and changes what through the API, as RabbitMQ's management plugin decides it: by
-//! the user's tags (administrator and monitoring see every vhost and every connection;
-//! management and policymaker only the vhosts they have permissions on, and their own
-//! connections), and by their permissions for every change of a queue, exchange or binding
-//! (RabbitMQ makes those changes as AMQP methods of the user, so the access-control table
-//! applies to administrators too).
+//! Who sees and changes what through the API, as RabbitMQ 3.10's management plugin decides
+//! it: by the user's tags (administrator and monitoring see every vhost in the vhost list and
+//! the overview, and every connection; management and policymaker only the vhosts they have
+//! permissions on, and their own connections); the queues, exchanges and bindings of a vhost
+//! only with permissions there (monitoring users too), or as an administrator; and by their
+//! permissions for every change of a queue, exchange or binding (RabbitMQ makes those changes
+//! as AMQP methods of the user, so the access-control table applies to administrators too).
 
 use super::Login;
 use crate::broker::permissions::{refusal, Access, Resource};
@@ -45,15 +46,33 @@ impl Viewer {
         })
     }
 
-    /// Whether the objects of `vhost` are theirs to see.
+    /// Whether `vhost` is theirs to see in the vhost list and the overview.
     pub fn sees(&self, vhost: &str) -> bool {
         self.sees_all || self.vhosts.contains(vhost)
+    }
+
+    /// Whether the queues, exchanges and bindings of `vhost` are theirs to see (RabbitMQ: the
+    /// vhosts they may log in to, also for monitoring users; administrators all).
+    pub fn sees_objects_in(&self, vhost: &str) -> bool {
+        self.admin || self.vhosts.contains(vhost)
     }
 
     /// Whether a connection of `user` is theirs to see.
     pub fn sees_connection_of(&self, user: &str) -> bool {
         self.sees_all || self.user == user
     }
+}
+
+/// RabbitMQ's answer to a request about another user's connection.
+pub(super) fn not_authorised_object() -> Response {
+    (
+        StatusCode::UNAUTHORIZED,
+        Json(json!({
+            "error": "not_authorised",
+            "reason": "User not authorised to access object",
+        })),
+    )
+        .into_response()
 }
 
 /// RabbitMQ's answer to a request about a vhost the user may not see.

@@ -61,7 +61,7 @@ pub(super) async fn bindings_all(
     Extension(login): Extension<Login>,
 ) -> Response {
     let viewer = Viewer::of(&shared, &login);
-    binding_list(&shared, None, |b| viewer.sees(&b.vhost))
+    binding_list(&shared, None, |b| viewer.sees_objects_in(&b.vhost))
 }
 
 pub(super) async fn bindings_in(State(shared): Api, Path(vhost): Path<String>) -> Response {

@@ -76,7 +76,8 @@ pub(super) async fn connection(
         Some(c) if viewer.sees_connection_of(&c.details.lock().user) => {
             Json(connection_json(&shared, &c)).into_response()
         }
-        _ => not_found(),
+        Some(_) => super::access::not_authorised_object(),
+        None => not_found(),
     }
 }
 
@@ -92,7 +93,8 @@ pub(super) async fn close_connection(
     let viewer = Viewer::of(&shared, &login);
     match shared.registry.find(&name) {
         Some(c) if viewer.admin || viewer.user == c.details.lock().user => {}
-        _ => return not_found(),
+        Some(_) => return super::access::not_authorised_object(),
+        None => return not_found(),
     }
     let reason = headers
         .get("x-reason")

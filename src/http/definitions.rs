@@ -25,8 +25,9 @@ fn predeclared(name: &str) -> bool {
 }
 
 /// What `GET /api/definitions` (every vhost, `vhost` None) or `GET /api/definitions/{vhost}`
-/// answers: RabbitMQ's document. Durable, non-exclusive queues and durable exchanges other than
-/// the predeclared ones, and the bindings between what is exported, as RabbitMQ exports them.
+/// answers: RabbitMQ's document. Every queue but the exclusive ones and every exchange but the
+/// predeclared ones (transient too, as RabbitMQ 3.10 exports them), and the bindings between
+/// what is exported.
 pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
     let in_vhost = |m: &mut Map<String, Value>, v: &str| {
         if vhost.is_none() {
@@ -36,14 +37,14 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
     let mut queues = Vec::new();
     let mut exported_queues = std::collections::BTreeSet::new();
     for q in b.queue_views(vhost) {
-        if !q.durable || q.exclusive {
+        if q.exclusive {
             continue;
         }
         exported_queues.insert((q.vhost.clone(), q.name.clone()));
         let mut m = Map::new();
         m.insert("name".into(), json!(q.name));
         in_vhost(&mut m, &q.vhost);
-        m.insert("durable".into(), json!(true));
+        m.insert("durable".into(), json!(q.durable));
         m.insert("auto_delete".into(), json!(q.auto_delete));
         m.insert("arguments".into(), Value::Object(table_json(&q.arguments)));
         queues.push(Value::Object(m));
@@ -53,7 +54,7 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
     let mut exchanges = Vec::new();
     let mut exported_exchanges = std::collections::BTreeSet::new();
     for x in views {
-        if !x.durable || predeclared(&x.name) {
+        if predeclared(&x.name) {
             continue;
         }
         exported_exchanges.insert((x.vhost.clone(), x.name.clone()));
@@ -61,7 +62,7 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
         m.insert("name".into(), json!(x.name));
         in_vhost(&mut m, &x.vhost);
         m.insert("type".into(), json!(x.kind));
-        m.insert("durable".into(), json!(true));
+        m.insert("durable".into(), json!(x.durable));
         m.insert("auto_delete".into(), json!(x.auto_delete));
         m.insert("internal".into(), json!(x.internal));
         m.insert("arguments".into(), Value::Object(table_json(&x.arguments)));

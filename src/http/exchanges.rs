@@ -38,7 +38,7 @@ pub(super) async fn exchanges_all(
     let list = shared.query(|b| b.exchange_views(None));
     Json(Value::Array(
         list.iter()
-            .filter(|x| viewer.sees(&x.vhost))
+            .filter(|x| viewer.sees_objects_in(&x.vhost))
             .map(exchange_json)
             .collect(),
     ))

@@ -430,7 +430,7 @@ async fn require_login(
             // A vhost's queues, exchanges and bindings only for those who may see the vhost.
             if let Some(vhost) = access::path_vhost(req.uri().path()) {
                 let viewer = access::Viewer::of(&shared, &Login(user.clone()));
-                if !viewer.sees(&vhost) && shared.query(|b| b.has_vhost(&vhost)) {
+                if !viewer.sees_objects_in(&vhost) && shared.query(|b| b.has_vhost(&vhost)) {
                     return access::not_authorised_vhost();
                 }
             }

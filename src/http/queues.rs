@@ -50,7 +50,7 @@ pub(super) async fn queues_all(State(shared): Api, Extension(login): Extension<L
     let list = shared.query(|b| b.queue_views(None));
     Json(Value::Array(
         list.iter()
-            .filter(|q| viewer.sees(&q.vhost))
+            .filter(|q| viewer.sees_objects_in(&q.vhost))
             .map(|q| queue_json(&node, q))
             .collect(),
     ))
