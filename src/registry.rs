@@ -50,6 +50,16 @@ impl Registry {
         }
     }
 
+    /// Close (320, `reason`) every listed connection whose details `which` selects: those of
+    /// a deleted user or vhost.
+    pub fn close_where(&self, which: impl Fn(&ConnDetails) -> bool, reason: &str) {
+        for c in self.list() {
+            if which(&c.details.lock()) {
+                c.close(reason.to_string());
+            }
+        }
+    }
+
     /// How many connections are listed.
     pub fn len(&self) -> usize {
         self.connections.read().len()

@@ -9,6 +9,19 @@ pub(crate) use log::Log;
 
 use super::*;
 
+/// Replace the limits of `name` (an empty list: it has none).
+fn set_limits(
+    all: &mut std::collections::BTreeMap<String, Vec<(String, i64)>>,
+    name: &str,
+    limits: &[(String, i64)],
+) {
+    if limits.is_empty() {
+        all.remove(name);
+    } else {
+        all.insert(name.to_string(), limits.to_vec());
+    }
+}
+
 /// A message the store holds left queue `q` (acknowledged, delivered or got without an ack,
 /// dropped): the replicated `Remove` and its store write. The message already left the ready
 /// list on this broker (delivery is local); a replica applies the same `Remove` through `exec`.
@@ -361,13 +374,7 @@ impl Broker {
                         "vhost_not_found",
                     ));
                 }
-                if limits.is_empty() {
-                    self.replicated.vhost_limits.remove(vhost);
-                } else {
-                    self.replicated
-                        .vhost_limits
-                        .insert(vhost.clone(), limits.clone());
-                }
+                set_limits(&mut self.replicated.vhost_limits, vhost, limits);
                 if self.log.enabled {
                     self.log.write(op.clone());
                 }
@@ -410,13 +417,7 @@ impl Broker {
                         "no_such_user",
                     ));
                 }
-                if limits.is_empty() {
-                    self.replicated.user_limits.remove(user);
-                } else {
-                    self.replicated
-                        .user_limits
-                        .insert(user.clone(), limits.clone());
-                }
+                set_limits(&mut self.replicated.user_limits, user, limits);
                 if self.log.enabled {
                     self.log.write(op.clone());
                 }

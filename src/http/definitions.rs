@@ -119,24 +119,12 @@ pub(crate) fn export(b: &Broker, vhost: Option<&str>) -> Value {
         })
         .collect();
     if vhost.is_none() {
+        // The same JSON as GET /api/users (RabbitMQ's export has the same fields).
         let user_limits = b.user_limits();
         let users: Vec<Value> = b
             .users()
             .iter()
-            .map(|(name, u)| {
-                let limits = user_limits
-                    .iter()
-                    .find(|(n, _)| n == name)
-                    .map(|(_, l)| super::limits::limits_json(l))
-                    .unwrap_or_else(|| json!({}));
-                json!({
-                    "name": name,
-                    "password_hash": u.password_hash,
-                    "hashing_algorithm": SHA256,
-                    "tags": u.tags,
-                    "limits": limits,
-                })
-            })
+            .map(|(name, u)| super::users::user_json(name, u, &user_limits))
             .collect();
         let vhosts: Vec<Value> = b
             .vhost_infos()

@@ -42,7 +42,7 @@ pub(super) fn not_administrator() -> Response {
         .into_response()
 }
 
-fn user_json(name: &str, u: &User, limits: &[(String, Vec<(String, i64)>)]) -> Value {
+pub(super) fn user_json(name: &str, u: &User, limits: &[(String, Vec<(String, i64)>)]) -> Value {
     let limits = limits
         .iter()
         .find(|(n, _)| n == name)
@@ -213,11 +213,9 @@ pub(super) async fn delete_user(
     if result.is_ok() {
         // Logged in before the deletion: nothing lets them in again, and they go now (320,
         // with RabbitMQ's text).
-        for c in shared.registry.list() {
-            if c.details.lock().user == name {
-                c.close(format!("user '{name}' is deleted"));
-            }
-        }
+        shared
+            .registry
+            .close_where(|d| d.user == name, &format!("user '{name}' is deleted"));
     }
     super::no_content(result)
 }

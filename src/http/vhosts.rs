@@ -173,11 +173,9 @@ pub(super) async fn delete_vhost(
     if result.is_ok() {
         // Opened before the deletion: they go now. One opening meanwhile looks again once
         // it is listed here (`conn_vhost_still_there`).
-        for c in shared.registry.list() {
-            if c.details.lock().vhost == name {
-                c.close(format!("vhost '{name}' is deleted"));
-            }
-        }
+        shared
+            .registry
+            .close_where(|d| d.vhost == name, &format!("vhost '{name}' is deleted"));
     }
     no_content(result)
 }

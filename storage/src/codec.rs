@@ -125,28 +125,14 @@ impl UserRecord {
         let mut b = BytesMut::new();
         b.put_u8(VERSION);
         put_str(&mut b, self.password_hash.as_bytes());
-        b.put_u32(self.tags.len() as u32);
-        for t in &self.tags {
-            put_str(&mut b, t.as_bytes());
-        }
+        put_tags(&mut b, &self.tags);
         b.freeze()
     }
 
     pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
         check_version(&mut b)?;
         let password_hash = get_string(&mut b)?;
-        if b.remaining() < 4 {
-            return Err(DecodeError("truncated tags"));
-        }
-        let n = b.get_u32() as usize;
-        // Each tag takes at least its 4-byte length: a count past that is damage, not a size
-        // to allocate for.
-        if n > b.remaining() / 4 {
-            return Err(DecodeError("bad tag count"));
-        }
-        let tags = (0..n)
-            .map(|_| get_string(&mut b))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tags = get_tags(&mut b)?;
         Ok(UserRecord {
             password_hash,
             tags,
@@ -166,28 +152,37 @@ impl VhostRecord {
         let mut b = BytesMut::new();
         b.put_u8(VERSION);
         put_str(&mut b, self.description.as_bytes());
-        b.put_u32(self.tags.len() as u32);
-        for t in &self.tags {
-            put_str(&mut b, t.as_bytes());
-        }
+        put_tags(&mut b, &self.tags);
         b.freeze()
     }
 
     pub fn decode(mut b: Bytes) -> Result<Self, DecodeError> {
         check_version(&mut b)?;
         let description = get_string(&mut b)?;
-        if b.remaining() < 4 {
-            return Err(DecodeError("truncated tags"));
-        }
-        let n = b.get_u32() as usize;
-        if n > b.remaining() / 4 {
-            return Err(DecodeError("bad tag count"));
-        }
-        let tags = (0..n)
-            .map(|_| get_string(&mut b))
-            .collect::<Result<Vec<_>, _>>()?;
+        let tags = get_tags(&mut b)?;
         Ok(VhostRecord { description, tags })
     }
+}
+
+/// A list of tags: a count, then each string.
+fn put_tags(b: &mut BytesMut, tags: &[String]) {
+    b.put_u32(tags.len() as u32);
+    for t in tags {
+        put_str(b, t.as_bytes());
+    }
+}
+
+/// A list written by `put_tags`. Each tag takes at least its 4-byte length: a count past that
+/// is damage, not a size to allocate for.
+fn get_tags(b: &mut Bytes) -> Result<Vec<String>, DecodeError> {
+    if b.remaining() < 4 {
+        return Err(DecodeError("truncated tags"));
+    }
+    let n = b.get_u32() as usize;
+    if n > b.remaining() / 4 {
+        return Err(DecodeError("bad tag count"));
+    }
+    (0..n).map(|_| get_string(b)).collect()
 }
 
 /// A user's permissions in a vhost (key: `P` + vhost + user).
