@@ -20,6 +20,7 @@ cargo test --workspace -- --test-threads=1
 echo "== client library suites against the warren binary"
 cargo build --bin warren
 bash compat/lapin-suite.sh "$CARGO_TARGET_DIR/debug/warren"
+bash compat/lapin-tls.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/go-suite.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/node/run.sh "$CARGO_TARGET_DIR/debug/warren"
 bash compat/py-suites.sh "$CARGO_TARGET_DIR/debug/warren"

@@ -17,6 +17,13 @@ pub(crate) fn login_allowed(shared: &Shared, user: &str, pass: &str, ip: std::ne
         && from_allowed_address(&shared.config, user, ip)
 }
 
+/// Whether `user`, named by the common name of the client certificate the CA verified, may
+/// log in by EXTERNAL from `ip`: the user exists (no password is asked, as RabbitMQ's
+/// rabbitmq_auth_mechanism_ssl with the internal backend) and `loopback_users` allows it.
+pub(crate) fn external_login_allowed(shared: &Shared, user: &str, ip: std::net::IpAddr) -> bool {
+    shared.query(|b| b.user(user).is_some()) && from_allowed_address(&shared.config, user, ip)
+}
+
 /// The `loopback_users` rule: those users only from a loopback address.
 fn from_allowed_address(config: &Config, user: &str, ip: std::net::IpAddr) -> bool {
     let loopback_only = config.loopback_users.iter().any(|u| u == user);

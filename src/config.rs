@@ -4,6 +4,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// RabbitMQ's default max_message_size (128 MiB).
+pub const MAX_MESSAGE_SIZE_DEFAULT: u64 = 128 * 1024 * 1024;
+/// The most max_message_size may be set to (RabbitMQ's ?MAX_MSG_SIZE, 512 MiB).
+pub const MAX_MESSAGE_SIZE_LIMIT: u64 = 512 * 1024 * 1024;
+
 #[derive(Debug, Clone)]
 pub struct Config {
     pub amqp_listen: SocketAddr,
@@ -170,7 +175,7 @@ impl Default for Config {
             heartbeat: 60,
             users: vec![("guest".into(), "guest".into())],
             loopback_users: vec!["guest".into()],
-            max_message_size: 128 * 1024 * 1024,
+            max_message_size: MAX_MESSAGE_SIZE_DEFAULT,
             handshake_timeout: Duration::from_secs(10),
             shutdown_grace: Duration::from_secs(3),
             consumer_timeout: None,

@@ -65,6 +65,10 @@ struct ServerArgs {
     /// empty data folder, instead of guest (RabbitMQ's default_user). Needs --default-pass.
     #[arg(long, env = "WARREN_DEFAULT_USER", requires = "default_pass")]
     default_user: Option<String>,
+    /// The largest message a client may publish, in bytes (RabbitMQ's max_message_size:
+    /// 128 MiB by default, 512 MiB at most); a larger one closes its channel with 406.
+    #[arg(long, env = "WARREN_MAX_MESSAGE_SIZE", default_value_t = warren::config::MAX_MESSAGE_SIZE_DEFAULT, value_parser = clap::value_parser!(u64).range(1..=warren::config::MAX_MESSAGE_SIZE_LIMIT))]
+    max_message_size: u64,
     /// Open AMQP connections allowed at once (RabbitMQ's connection_max); past it,
     /// connection.open is refused with 530. Default: half the process's open-file limit.
     #[arg(long, env = "WARREN_CONNECTION_MAX")]
@@ -209,6 +213,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
             ),
         },
         connection_max: args.connection_max,
+        max_message_size: args.max_message_size,
         vm_memory_high_watermark: args.vm_memory_high_watermark,
         users: match (args.default_user, args.default_pass) {
             (Some(user), Some(pass)) => vec![(user, pass)],

@@ -93,9 +93,25 @@ pub struct ConnInfo {
     /// Milliseconds since the Unix epoch.
     pub connected_at: u64,
     pub details: Mutex<ConnDetails>,
+    /// The TLS session the connection came over (`--amqps-listen`), if it did.
+    pub tls: Option<TlsPeer>,
     close_reason: Mutex<Option<String>>,
     /// Woken when the connection is to be closed (`close`).
     pub close_requested: Notify,
+}
+
+/// What a TLS connection's handshake settled.
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// RabbitMQ's `ssl_protocol` ("tlsv1.3").
+    pub protocol: String,
+    /// The negotiated cipher suite.
+    pub cipher: String,
+    /// The client gave a certificate and the CA verified it (`--tls-verify-peer`): EXTERNAL
+    /// is offered.
+    pub peer_cert: bool,
+    /// That certificate's subject's common name: the name EXTERNAL logs in with.
+    pub cert_name: Option<String>,
 }
 
 /// What the handshake told us, filled in as it goes.
@@ -127,9 +143,15 @@ impl ConnInfo {
                 state: "starting",
                 ..Default::default()
             }),
+            tls: None,
             close_reason: Mutex::new(None),
             close_requested: Notify::new(),
         }
+    }
+
+    /// The same, for a connection over TLS.
+    pub fn with_tls(self, tls: Option<TlsPeer>) -> Self {
+        ConnInfo { tls, ..self }
     }
 
     /// Ask the connection to close with 320 CONNECTION_FORCED and `reason`.

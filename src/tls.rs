@@ -52,3 +52,65 @@ pub fn server_config(t: &TlsConfig) -> anyhow::Result<Arc<rustls::ServerConfig>>
         .context("the certificate and key do not go together")?;
     Ok(Arc::new(config))
 }
+
+/// The name a client certificate logs in with by EXTERNAL: its subject's common name, as
+/// RabbitMQ's `ssl_cert_login_from = common_name` (several common names are joined with ",",
+/// as RabbitMQ joins them). None when the certificate has none or cannot be read.
+pub fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let ee = webpki::EndEntityCert::try_from(cert).ok()?;
+    // webpki hands the subject's RDNSequence without its SEQUENCE header: put it back.
+    let subject = yasna::construct_der(|w| w.write_sequence(|w| w.next().write_der(ee.subject())));
+    let cn = yasna::models::ObjectIdentifier::from_slice(&[2, 5, 4, 3]);
+    let mut names = Vec::new();
+    yasna::parse_der(&subject, |r| {
+        r.read_sequence_of(|r| {
+            r.read_set_of(|r| {
+                r.read_sequence(|r| {
+                    let oid = r.next().read_oid()?;
+                    let value = r.next().read_tagged_der()?;
+                    if oid == cn {
+                        // A common name that is no string (or not UTF-8) is no login name.
+                        let text = value
+                            .as_str()
+                            .ok_or_else(|| yasna::ASN1Error::new(yasna::ASN1ErrorKind::Invalid))?;
+                        names.push(text.to_string());
+                    }
+                    Ok(())
+                })
+            })
+        })
+    })
+    .ok()?;
+    (!names.is_empty()).then(|| names.join(","))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::common_name;
+    use rcgen::{CertificateParams, DnType, KeyPair};
+
+    fn cert(names: &[(DnType, &str)]) -> rustls_pki_types::CertificateDer<'static> {
+        let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
+        // (rcgen names a certificate "rcgen self signed cert" unless told otherwise.)
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        for (t, v) in names {
+            params.distinguished_name.push(t.clone(), *v);
+        }
+        let key = KeyPair::generate().expect("key");
+        params.self_signed(&key).expect("cert").der().clone()
+    }
+
+    #[test]
+    fn the_login_name_is_the_subjects_common_name() {
+        let c = cert(&[
+            (DnType::OrganizationName, "Example"),
+            (DnType::CommonName, "tls-user"),
+            (DnType::CountryName, "DE"),
+        ]);
+        assert_eq!(common_name(&c).as_deref(), Some("tls-user"));
+        let no_cn = cert(&[(DnType::OrganizationName, "Example")]);
+        assert_eq!(common_name(&no_cn), None);
+        let garbage = rustls_pki_types::CertificateDer::from(vec![0x30, 0x03, 0x02, 0x01, 0x00]);
+        assert_eq!(common_name(&garbage), None);
+    }
+}

@@ -40,7 +40,7 @@ pub async fn serve(
 ) {
     let local = socket.local_addr().unwrap_or(peer);
     let (rd, wr) = socket.into_split();
-    serve_halves(Box::new(rd), Box::new(wr), peer, local, shared, stop).await
+    serve_halves(Box::new(rd), Box::new(wr), peer, local, None, shared, stop).await
 }
 
 /// Serve one AMQP client over TLS (`--amqps-listen`), once its handshake is done.
@@ -50,9 +50,37 @@ pub async fn serve_tls(
     shared: Arc<Shared>,
     stop: watch::Receiver<bool>,
 ) {
-    let local = stream.get_ref().0.local_addr().unwrap_or(peer);
+    let (tcp, session) = stream.get_ref();
+    let local = tcp.local_addr().unwrap_or(peer);
+    let tls = crate::registry::TlsPeer {
+        protocol: match session.protocol_version() {
+            Some(tokio_rustls::rustls::ProtocolVersion::TLSv1_3) => "tlsv1.3".into(),
+            Some(tokio_rustls::rustls::ProtocolVersion::TLSv1_2) => "tlsv1.2".into(),
+            v => format!("{v:?}"),
+        },
+        cipher: session
+            .negotiated_cipher_suite()
+            .map(|s| format!("{:?}", s.suite()))
+            .unwrap_or_default(),
+        // Only a certificate the CA verified reaches here (`--tls-verify-peer`); without it
+        // rustls asks for none.
+        peer_cert: session.peer_certificates().is_some_and(|c| !c.is_empty()),
+        cert_name: session
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(crate::tls::common_name),
+    };
     let (rd, wr) = tokio::io::split(stream);
-    serve_halves(Box::new(rd), Box::new(wr), peer, local, shared, stop).await
+    serve_halves(
+        Box::new(rd),
+        Box::new(wr),
+        peer,
+        local,
+        Some(tls),
+        shared,
+        stop,
+    )
+    .await
 }
 
 async fn serve_halves(
@@ -60,6 +88,7 @@ async fn serve_halves(
     wr: Writer,
     peer: SocketAddr,
     local: SocketAddr,
+    tls: Option<crate::registry::TlsPeer>,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -84,7 +113,7 @@ async fn serve_halves(
     }
 
     // Listed by the management API from here to the end of the connection.
-    let info = Arc::new(ConnInfo::new(peer, local));
+    let info = Arc::new(ConnInfo::new(peer, local).with_tls(tls));
     let _listed = shared.registry.register(info.clone());
     if let Some(rep) = shared.replication.as_ref().filter(|r| !r.is_leader()) {
         // A follower configured to refuse clients (or one the proxy gave up on): 320 naming

@@ -733,8 +733,14 @@ impl Session {
         };
         if body_size > max {
             chan.content.reset();
+            // RabbitMQ's two texts: "configured" unless the limit is its ceiling.
+            let configured = if max == crate::config::MAX_MESSAGE_SIZE_LIMIT {
+                ""
+            } else {
+                "configured "
+            };
             return Err(AmqpError::precondition_failed(format!(
-                "message size {body_size} is larger than configured max size {max}"
+                "message size {body_size} is larger than {configured}max size {max}"
             ))
             .on(60, 40));
         }

@@ -143,10 +143,23 @@ impl Session {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: server_properties(&self.shared),
-                mechanisms: "AMQPLAIN PLAIN".into(),
+                mechanisms: if self.external_offered() {
+                    "AMQPLAIN PLAIN EXTERNAL".into()
+                } else {
+                    "AMQPLAIN PLAIN".into()
+                },
                 locales: "en_US".into(),
             })),
         );
+    }
+
+    /// EXTERNAL is offered on a TLS connection whose client gave a certificate the CA verified
+    /// (as RabbitMQ's rabbitmq_auth_mechanism_ssl offers it).
+    fn external_offered(&self) -> bool {
+        self.info
+            .as_ref()
+            .and_then(|i| i.tls.as_ref())
+            .is_some_and(|t| t.peer_cert)
     }
 
     /// Frames before the connection is open: start-ok, tune-ok, open, in that order.
@@ -187,7 +200,8 @@ impl Session {
             Ordering::Relaxed,
         );
         let mechanism = m.mechanism.as_str();
-        if mechanism != "PLAIN" && mechanism != "AMQPLAIN" {
+        let external = mechanism == "EXTERNAL" && self.external_offered();
+        if mechanism != "PLAIN" && mechanism != "AMQPLAIN" && !external {
             // RabbitMQ closes the socket without a close frame here.
             info!(mechanism, "unknown authentication mechanism");
             return Ok(Next::Close);
@@ -201,23 +215,49 @@ impl Session {
             )
             .on_no_method()
         };
-        let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {
-            // RabbitMQ takes a response it cannot parse (PLAIN with an authorization identity
-            // among them) as a syntax error of the handshake: no close frame, whatever the
-            // client's capabilities.
-            info!(mechanism, peer = %self.peer, "malformed authentication response");
-            self.phase = Phase::Closed;
-            return Ok(Next::Linger);
-        };
-        if !login_allowed(&self.shared, &user, &pass, self.peer.ip()) {
-            info!(user, peer = %self.peer, "login refused");
-            if !self.auth_failure_close {
-                // Old clients get the socket closed without a close frame, as RabbitMQ does.
+        let allowed = if external {
+            // The certificate names the user; the response (often empty) is not looked at.
+            let name = self
+                .info
+                .as_ref()
+                .and_then(|i| i.tls.as_ref())
+                .and_then(|t| t.cert_name.clone());
+            match name {
+                Some(n)
+                    if crate::auth::external_login_allowed(&self.shared, &n, self.peer.ip()) =>
+                {
+                    Ok(n)
+                }
+                Some(n) => Err(n),
+                None => Err("(a certificate without a common name)".to_string()),
+            }
+        } else {
+            let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {
+                // RabbitMQ takes a response it cannot parse (PLAIN with an authorization
+                // identity among them) as a syntax error of the handshake: no close frame,
+                // whatever the client's capabilities.
+                info!(mechanism, peer = %self.peer, "malformed authentication response");
                 self.phase = Phase::Closed;
                 return Ok(Next::Linger);
+            };
+            if login_allowed(&self.shared, &user, &pass, self.peer.ip()) {
+                Ok(user)
+            } else {
+                Err(user)
             }
-            return Err(refused());
-        }
+        };
+        let user = match allowed {
+            Ok(user) => user,
+            Err(user) => {
+                info!(user, mechanism, peer = %self.peer, "login refused");
+                if !self.auth_failure_close {
+                    // Old clients get the socket closed without a close frame, as RabbitMQ does.
+                    self.phase = Phase::Closed;
+                    return Ok(Next::Linger);
+                }
+                return Err(refused());
+            }
+        };
         if let Some(info) = &self.info {
             let mut d = info.details.lock();
             d.state = "tuning";

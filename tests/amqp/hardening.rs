@@ -643,3 +643,75 @@ async fn loopback_users_come_from_the_command_line() {
     assert!(!status.success());
     assert!(stderr.contains("empty user name"), "{stderr}");
 }
+
+/// Issue 14 point 8: `--max-message-size` (RabbitMQ's max_message_size, 128 MiB by default,
+/// 512 MiB at most): a message of that size is taken, a larger one closes its channel with
+/// 406 and RabbitMQ's text; the connection and its other channels carry on. Past 512 MiB the
+/// start is refused, as RabbitMQ refuses the setting.
+#[tokio::test]
+async fn max_message_size_comes_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = spawn_binary(&dir.path().join("data"), &["--max-message-size", "1000"]).await;
+    let conn = lapin::Connection::connect(&broker.url, Default::default())
+        .await
+        .unwrap();
+    let other = conn.create_channel().await.unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let q = unique("max-size");
+    ch.queue_declare(q.as_str().into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    publish_confirmed(&ch, "", &q, &[7u8; 1000]).await;
+    ch.basic_publish(
+        "".into(),
+        q.as_str().into(),
+        Default::default(),
+        &[7u8; 1001],
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    let err = ch
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("the channel is closed");
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "PRECONDITION_FAILED - message size 1001 is larger than configured max size 1000"
+        ),
+        "{text}"
+    );
+    // The other channel goes on, and holds the one message that fit.
+    let q_ok = other
+        .queue_declare(
+            q.as_str().into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q_ok.message_count(), 1);
+    // Past RabbitMQ's ceiling the start is refused.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+        .args(["server", "--max-message-size", "536870913", "--data-dir"])
+        .arg(dir.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--max-message-size"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
