@@ -20,14 +20,18 @@ ensure_system_packages() {
     fi
 }
 
-# What only the tests need: libfaketime (a node's wall clock jumps in tests/amqp/cluster_faults.rs).
+# What only the tests need: libfaketime (a node's wall clock jumps in tests/amqp/cluster_faults.rs)
+# and the openssl command (compat/test_tls.py makes its certificates with it).
 ensure_test_packages() {
-    if [ ! -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ]; then
+    local missing=()
+    [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || missing+=(faketime)
+    command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+    if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ]; then
-            echo "installing: faketime"
-            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime
+            echo "installing: ${missing[*]}"
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
         else
-            echo "please install: faketime" >&2
+            echo "please install: ${missing[*]}" >&2
             return 1
         fi
     fi

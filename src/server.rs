@@ -30,6 +30,10 @@ pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // Certificate files that do not load stop the start before anything is opened or made.
+    if let Some(t) = &config.tls {
+        crate::tls::server_config(t)?;
+    }
     let shared = Shared::open(config)?;
     if shared.replication.is_some() {
         crate::cluster::start(shared.clone()).await?;

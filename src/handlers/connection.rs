@@ -153,13 +153,11 @@ impl Session {
         );
     }
 
-    /// EXTERNAL is offered on a TLS connection whose client gave a certificate the CA verified
-    /// (as RabbitMQ's rabbitmq_auth_mechanism_ssl offers it).
+    /// EXTERNAL is offered on every TLS connection, with or without a client certificate (a
+    /// client without one is refused with 403), as RabbitMQ's rabbitmq_auth_mechanism_ssl
+    /// offers it "since it may help clients debug their configuration".
     fn external_offered(&self) -> bool {
-        self.info
-            .as_ref()
-            .and_then(|i| i.tls.as_ref())
-            .is_some_and(|t| t.peer_cert)
+        self.info.as_ref().is_some_and(|i| i.tls.is_some())
     }
 
     /// Frames before the connection is open: start-ok, tune-ok, open, in that order.
@@ -217,19 +215,18 @@ impl Session {
         };
         let allowed = if external {
             // The certificate names the user; the response (often empty) is not looked at.
-            let name = self
-                .info
-                .as_ref()
-                .and_then(|i| i.tls.as_ref())
-                .and_then(|t| t.cert_name.clone());
-            match name {
+            let tls = self.info.as_ref().and_then(|i| i.tls.as_ref());
+            match tls.and_then(|t| t.cert_name.clone()) {
                 Some(n)
                     if crate::auth::external_login_allowed(&self.shared, &n, self.peer.ip()) =>
                 {
                     Ok(n)
                 }
                 Some(n) => Err(n),
-                None => Err("(a certificate without a common name)".to_string()),
+                None if tls.is_some_and(|t| t.peer_cert) => {
+                    Err("(a certificate without a common name)".to_string())
+                }
+                None => Err("(no client certificate)".to_string()),
             }
         } else {
             let Some((user, pass)) = credentials(mechanism, m.response.as_bytes()) else {

@@ -97,6 +97,8 @@ fn value_json(v: &AMQPValue) -> Value {
         AMQPValue::FieldArray(a) => Value::Array(a.as_slice().iter().map(value_json).collect()),
         AMQPValue::Timestamp(t) => json!(t),
         AMQPValue::FieldTable(t) => Value::Object(table_json(t)),
-        AMQPValue::Void => Value::Null,
+        // RabbitMQ writes void as "undefined" (its Erlang atom); its definitions import
+        // refuses a JSON null ("null_not_allowed"), so an export with one would not import.
+        AMQPValue::Void => Value::String("undefined".into()),
     }
 }

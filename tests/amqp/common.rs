@@ -583,3 +583,12 @@ pub fn http_request(
     let status = r.status().as_u16();
     (status, r.body_mut().read_to_string().unwrap_or_default())
 }
+
+/// Wait (at most [`WAIT`]) until `f` holds.
+pub async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !f() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -54,15 +54,6 @@ async fn consume(ch: &lapin::Channel, queue: &str) -> lapin::Consumer {
     .unwrap()
 }
 
-/// Poll `f` until it holds (bounded by `WAIT`).
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !f() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 /// Point 1: a panic inside one connection's handling (injected with the broker lock held) is
 /// caught at the task boundary: its client gets 541 INTERNAL_ERROR instead of waiting for
 /// ever, its exclusive queue goes, its unacked deliveries come back to their queue, its
