@@ -176,8 +176,9 @@ class Warren:
                    "--amqp-listen", "127.0.0.1:%d" % self.amqp_port,
                    "--management-listen", "127.0.0.1:%d" % self.mgmt_port,
                    "--data-dir", os.path.join(self.data_root, str(_attempt))]
-            if amqps:
-                cmd += ["--amqps-listen", "127.0.0.1:%d" % self.amqps_port]
+            # (With a certificate configured amqps is served on 5671 unless told otherwise.)
+            cmd += ["--amqps-listen",
+                    "127.0.0.1:%d" % self.amqps_port if amqps else "none"]
             cmd += args
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,

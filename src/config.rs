@@ -200,6 +200,27 @@ impl Default for Config {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UserList(pub Vec<String>);
 
+/// Where AMQP over TLS is served, from `--amqps-listen` (None: not given) and whether a
+/// certificate and key are configured: "none" serves none; without the flag, a configured
+/// certificate serves it on RabbitMQ's port, `[::]:5671` (IPv4 only without IPv6).
+pub fn amqps_listen(arg: Option<&str>, tls: bool) -> Result<Option<SocketAddr>, String> {
+    match arg.map(str::trim) {
+        Some(a) if a.is_empty() || a.eq_ignore_ascii_case("none") => Ok(None),
+        Some(a) => a
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("--amqps-listen {a}: {e}")),
+        None if tls => Ok(Some(SocketAddr::from((
+            std::net::Ipv6Addr::UNSPECIFIED,
+            AMQPS_PORT,
+        )))),
+        None => Ok(None),
+    }
+}
+
+/// RabbitMQ's AMQP-over-TLS port.
+pub const AMQPS_PORT: u16 = 5671;
+
 /// Parse a comma-separated list of user names; "none" or nothing is the empty list (RabbitMQ's
 /// `loopback_users = none`). Names are trimmed; an empty name in the list is refused.
 pub fn parse_user_list(s: &str) -> Result<UserList, String> {
@@ -222,7 +243,22 @@ pub fn parse_user_list(s: &str) -> Result<UserList, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_peers, parse_user_list, UserList};
+    use super::{amqps_listen, parse_peers, parse_user_list, UserList};
+
+    #[test]
+    fn amqps_is_served_on_5671_once_a_certificate_is_configured() {
+        assert_eq!(
+            amqps_listen(None, true),
+            Ok(Some("[::]:5671".parse().unwrap()))
+        );
+        assert_eq!(amqps_listen(None, false), Ok(None));
+        assert_eq!(amqps_listen(Some("none"), true), Ok(None));
+        assert_eq!(
+            amqps_listen(Some("127.0.0.1:7000"), true),
+            Ok(Some("127.0.0.1:7000".parse().unwrap()))
+        );
+        assert!(amqps_listen(Some("nowhere"), true).is_err());
+    }
 
     #[test]
     fn peer_lists_parse_and_bad_ones_are_refused() {

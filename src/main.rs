@@ -83,9 +83,10 @@ struct ServerArgs {
     /// (RabbitMQ's load_definitions). Importing adds and replaces; it deletes nothing.
     #[arg(long, env = "WARREN_LOAD_DEFINITIONS")]
     load_definitions: Option<std::path::PathBuf>,
-    /// Serve AMQP over TLS here too (RabbitMQ's amqps on 5671), with --tls-cert and --tls-key.
+    /// Serve AMQP over TLS here (RabbitMQ's amqps), with --tls-cert and --tls-key; by default
+    /// [::]:5671 once they are given; "none" not to serve it (HTTPS management only).
     #[arg(long, env = "WARREN_AMQPS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
-    amqps_listen: Option<SocketAddr>,
+    amqps_listen: Option<String>,
     /// Serve the management API over HTTPS on --management-listen, with --tls-cert and --tls-key
     /// (client certificates are not asked for there).
     #[arg(long, env = "WARREN_MANAGEMENT_TLS", requires_all = ["tls_cert", "tls_key"])]
@@ -221,7 +222,11 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         },
         recover_damaged: args.recover_damaged,
         loopback_users: args.loopback_users.0,
-        amqps_listen: args.amqps_listen,
+        amqps_listen: warren::config::amqps_listen(
+            args.amqps_listen.as_deref(),
+            args.tls_cert.is_some() && args.tls_key.is_some(),
+        )
+        .map_err(anyhow::Error::msg)?,
         management_tls: args.management_tls,
         tls: match (args.tls_cert, args.tls_key) {
             (Some(cert), Some(key)) => Some(warren::config::TlsConfig {

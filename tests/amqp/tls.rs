@@ -186,3 +186,28 @@ async fn amqp_over_tls_with_client_certificates_checked_against_the_ca() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("do not go together"), "{err}");
 }
+
+/// With a certificate and key but no `--amqps-listen`, AMQP over TLS is served on RabbitMQ's
+/// port, 5671 (the test is skipped when something else holds that port).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_defaults_to_5671_once_a_certificate_is_configured() {
+    if std::net::TcpListener::bind("0.0.0.0:5671").is_err() {
+        eprintln!("port 5671 is taken here: skipped");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let authority = ca("warren test CA");
+    let server = issue(&authority, &["localhost", "127.0.0.1"], "localhost");
+    let cert = dir.path().join("server.pem");
+    let key = dir.path().join("server.key");
+    std::fs::write(&cert, server.cert.pem()).unwrap();
+    std::fs::write(&key, server.key.serialize_pem()).unwrap();
+    let (cert, key) = (cert.to_string_lossy(), key.to_string_lossy());
+    let _broker = spawn_binary(
+        &dir.path().join("data"),
+        &["--tls-cert", &cert, "--tls-key", &key],
+    )
+    .await;
+    let answer = first_answer(5671, &authority, None).await;
+    assert!(is_connection_start(&answer), "{answer:?}");
+}
