@@ -48,6 +48,10 @@ pub struct Config {
     /// Test hook, never set by the binary: every synced store write takes this much longer (a
     /// slow disk), so tests can show that no reply waiting for an fsync leaves before it.
     pub sync_delay: Option<Duration>,
+    /// Test hook, never set by the binary: every read of a queue's backlog from the store
+    /// takes this much longer (a slow disk), so tests can show that such a read holds up no
+    /// other client.
+    pub read_delay: Option<Duration>,
     /// Open AMQP connections allowed at once (RabbitMQ's `connection_max`); None: derived from
     /// the process's file descriptor limit (`node::default_connection_max`).
     pub connection_max: Option<usize>,
@@ -184,6 +188,7 @@ impl Default for Config {
             management_listen: None,
             panic_on_declare: None,
             sync_delay: None,
+            read_delay: None,
             connection_max: None,
             vm_memory_high_watermark: Default::default(),
             recover_damaged: false,
@@ -200,20 +205,22 @@ impl Default for Config {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UserList(pub Vec<String>);
 
-/// Where AMQP over TLS is served, from `--amqps-listen` (None: not given) and whether a
-/// certificate and key are configured: "none" serves none; without the flag, a configured
-/// certificate serves it on RabbitMQ's port, `[::]:5671` (IPv4 only without IPv6).
-pub fn amqps_listen(arg: Option<&str>, tls: bool) -> Result<Option<SocketAddr>, String> {
+/// Where AMQP over TLS is served, from `--amqps-listen` (None: not given), whether a
+/// certificate and key are configured, and where plain AMQP is served: "none" serves none;
+/// without the flag, a configured certificate serves it on RabbitMQ's port, 5671, on the
+/// address plain AMQP listens on (so that it is reachable from where AMQP is, no further).
+pub fn amqps_listen(
+    arg: Option<&str>,
+    tls: bool,
+    amqp_listen: SocketAddr,
+) -> Result<Option<SocketAddr>, String> {
     match arg.map(str::trim) {
         Some(a) if a.is_empty() || a.eq_ignore_ascii_case("none") => Ok(None),
         Some(a) => a
             .parse()
             .map(Some)
             .map_err(|e| format!("--amqps-listen {a}: {e}")),
-        None if tls => Ok(Some(SocketAddr::from((
-            std::net::Ipv6Addr::UNSPECIFIED,
-            AMQPS_PORT,
-        )))),
+        None if tls => Ok(Some(SocketAddr::new(amqp_listen.ip(), AMQPS_PORT))),
         None => Ok(None),
     }
 }
@@ -247,17 +254,23 @@ mod tests {
 
     #[test]
     fn amqps_is_served_on_5671_once_a_certificate_is_configured() {
+        let any = "[::]:5672".parse().unwrap();
+        let lo = "127.0.0.1:5672".parse().unwrap();
         assert_eq!(
-            amqps_listen(None, true),
+            amqps_listen(None, true, any),
             Ok(Some("[::]:5671".parse().unwrap()))
         );
-        assert_eq!(amqps_listen(None, false), Ok(None));
-        assert_eq!(amqps_listen(Some("none"), true), Ok(None));
         assert_eq!(
-            amqps_listen(Some("127.0.0.1:7000"), true),
+            amqps_listen(None, true, lo),
+            Ok(Some("127.0.0.1:5671".parse().unwrap()))
+        );
+        assert_eq!(amqps_listen(None, false, any), Ok(None));
+        assert_eq!(amqps_listen(Some("none"), true, any), Ok(None));
+        assert_eq!(
+            amqps_listen(Some("127.0.0.1:7000"), true, any),
             Ok(Some("127.0.0.1:7000".parse().unwrap()))
         );
-        assert!(amqps_listen(Some("nowhere"), true).is_err());
+        assert!(amqps_listen(Some("nowhere"), true, any).is_err());
     }
 
     #[test]

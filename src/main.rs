@@ -84,7 +84,8 @@ struct ServerArgs {
     #[arg(long, env = "WARREN_LOAD_DEFINITIONS")]
     load_definitions: Option<std::path::PathBuf>,
     /// Serve AMQP over TLS here (RabbitMQ's amqps), with --tls-cert and --tls-key; by default
-    /// [::]:5671 once they are given; "none" not to serve it (HTTPS management only).
+    /// port 5671 on --amqp-listen's address once they are given; "none" not to serve it
+    /// (HTTPS management only).
     #[arg(long, env = "WARREN_AMQPS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
     amqps_listen: Option<String>,
     /// Serve the management API over HTTPS on --management-listen, with --tls-cert and --tls-key
@@ -225,6 +226,7 @@ async fn serve(args: ServerArgs) -> anyhow::Result<()> {
         amqps_listen: warren::config::amqps_listen(
             args.amqps_listen.as_deref(),
             args.tls_cert.is_some() && args.tls_key.is_some(),
+            args.amqp_listen,
         )
         .map_err(anyhow::Error::msg)?,
         management_tls: args.management_tls,

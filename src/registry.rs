@@ -110,8 +110,9 @@ pub struct TlsPeer {
     /// The client gave a certificate and the CA verified it (`--tls-verify-peer`): EXTERNAL
     /// is offered.
     pub peer_cert: bool,
-    /// That certificate's subject's common name: the name EXTERNAL logs in with.
-    pub cert_name: Option<String>,
+    /// That certificate's subject: its distinguished name, and its common name (the name
+    /// EXTERNAL logs in with).
+    pub subject: Option<crate::tls::Subject>,
 }
 
 /// What the handshake told us, filled in as it goes.

@@ -92,6 +92,18 @@ pub enum Effect {
     /// A queue that held publishers (`PublishOutcome::held`) is back under its window: the
     /// connections waiting for that go on.
     Drained,
+    /// A queue's consumers wait for its backlog to be read from the store (issue 13 point 5):
+    /// the node reads it outside the broker lock and hands it to [`Broker::read_done`].
+    Read(ReadRequest),
+}
+
+/// A read of a queue's backlog the core asks of the node (`Effect::Read`).
+#[derive(Debug, Clone)]
+pub struct ReadRequest {
+    pub queue: QueueId,
+    pub vhost: warren_storage::Name,
+    pub name: warren_storage::Name,
+    pub plan: queue::ReadPlan,
 }
 
 /// A consumer on a channel.
@@ -751,20 +763,60 @@ impl Broker {
             .retain(|id| queues.get_mut(id).is_some_and(|q| q.release_all_written()));
     }
 
+    /// For basic.get: the read a queue's head needs first, if it is on disk (the caller reads
+    /// it outside the lock and hands it to `read_done` before getting).
+    pub fn head_read_request(&mut self, vhost: &str, queue: &str) -> Option<ReadRequest> {
+        let id = *self.vhost(vhost).ok()?.queues.get(queue)?;
+        let q = self.replicated.queues.get_mut(&id)?;
+        if !q.async_reads() {
+            return None;
+        }
+        let plan = q.head_read()?;
+        Some(ReadRequest {
+            queue: id,
+            vhost: q.vhost.clone(),
+            name: q.name.clone(),
+            plan,
+        })
+    }
+
+    /// The node read what a queue asked for (`Effect::Read`): take it (unless the queue moved
+    /// on meanwhile: then it asks again) and hand out what it can.
+    pub fn read_done(
+        &mut self,
+        req: &ReadRequest,
+        data: Result<queue::ReadData, warren_storage::StoreError>,
+        fx: &mut Vec<Effect>,
+    ) {
+        let Some(q) = self.replicated.queues.get_mut(&req.queue) else {
+            return;
+        };
+        q.take_read(&req.plan, data);
+        self.dispatch(req.queue, fx);
+    }
+
     /// Hand out again the backlog of queues whose read from the store failed (called on a
     /// timer: a failed read must not leave consumers waiting for the next publish or ack).
+    /// Also the queues whose read asked of the node (`Effect::Read`) has gone unanswered for
+    /// `READ_ASK_AGAIN_MS`: asked again.
     pub fn retry_reads(&mut self, fx: &mut Vec<Effect>) {
         let Some(pager) = &self.local.pager else {
             return;
         };
-        if !pager.read_failed.swap(false, Ordering::Relaxed) {
+        let failed = pager.read_failed.swap(false, Ordering::Relaxed);
+        let now = self.local.now_ms;
+        if !failed && !pager.async_reads {
             return;
         }
         let mut failed: Vec<QueueId> = self
             .replicated
             .queues
             .iter_mut()
-            .filter(|(_, q)| q.read_failed)
+            .filter(|(_, q)| {
+                (failed && q.read_failed)
+                    || q.read_pending
+                        .is_some_and(|(_, at)| now >= at.saturating_add(queue::READ_ASK_AGAIN_MS))
+            })
             .map(|(id, q)| {
                 q.read_failed = false;
                 *id
@@ -891,10 +943,25 @@ impl Broker {
         for id in &self.local.expiring {
             match self.replicated.queues.get_mut(id) {
                 Some(q) => {
-                    let n = q.drop_expired_reading(now, 1);
+                    // With the node reading for us, a head on disk is asked for (read outside
+                    // the lock) and looked at on a later tick.
+                    let asks = q.async_reads();
+                    let n = q.drop_expired_reading(now, if asks { 0 } else { 1 });
                     if n > 0 {
                         dropped += n;
                         self.local.dirty.push(*id);
+                    }
+                    if asks {
+                        if let Some(plan) = q.expiry_read() {
+                            if q.ask_read(&plan, now) {
+                                fx.push(Effect::Read(ReadRequest {
+                                    queue: *id,
+                                    vhost: q.vhost.clone(),
+                                    name: q.name.clone(),
+                                    plan,
+                                }));
+                            }
+                        }
                     }
                     if !q.has_expiring() {
                         done.push(*id);
@@ -2310,14 +2377,34 @@ impl Broker {
         let Some(q) = queues.get_mut(&id) else {
             return;
         };
+        // With the node reading for us, nothing here reads the store: a head that must be
+        // read first is asked for (`Effect::Read`) and deliveries wait for `read_done`.
+        let asks = q.async_reads();
         while !q.is_empty() && !q.consumers.is_empty() {
             // Expired messages never reach a consumer (strictly past their time, so a TTL-0
             // message can still go to a consumer that is ready when it arrives).
-            if q.drop_expired(now.saturating_sub(1)) > 0 {
+            let reads = if asks { 0 } else { usize::MAX };
+            if q.drop_expired_reading(now.saturating_sub(1), reads) > 0 {
                 dirty.push(id);
             }
             if q.is_empty() {
                 break;
+            }
+            if asks {
+                if let Some(plan) = q.head_read() {
+                    if q.ask_read(&plan, now) {
+                        fx.push(Effect::Read(ReadRequest {
+                            queue: id,
+                            vhost: q.vhost.clone(),
+                            name: q.name.clone(),
+                            plan,
+                        }));
+                    }
+                    break;
+                }
+                if q.is_empty() {
+                    break;
+                }
             }
             let n = q.consumers.len();
             let mut chosen = None;

@@ -28,6 +28,11 @@ pub enum Pushed {
 }
 const READ_BYTES: usize = 1024 * 1024;
 
+/// A read asked of the node (`ReadPlan`) and unanswered this long (ms) is asked again: the
+/// node answers every read it is asked (`Shared::execute`), so this only covers one whose
+/// request was dropped; a slow disk's read must not be asked twice.
+pub const READ_ASK_AGAIN_MS: u64 = 10_000;
+
 /// Where queues page to: the store, and how far the committer has written the journal.
 pub struct Pager {
     pub store: Arc<dyn Store>,
@@ -43,6 +48,10 @@ pub struct Pager {
     /// The broker's clock (`Broker::set_clock`), for rate-limited log lines of queues: the
     /// core reads no clock of its own.
     pub clock: AtomicU64,
+    /// Deliveries to consumers do not read the store under the broker lock: they ask the node
+    /// (`Effect::Read`), which reads outside it and hands the result back
+    /// (`Broker::read_done`). Off, every read happens where it is needed (unit tests).
+    pub async_reads: bool,
 }
 
 impl std::fmt::Debug for Pager {
@@ -108,6 +117,51 @@ struct Returned {
     batch: u64,
     /// The message, kept until `batch` is written (or until it is delivered first).
     msg: Option<Arc<Message>>,
+}
+
+/// A read of a queue's backlog from the store that the queue needs before it can hand out its
+/// next message (issue 13 point 5: the core asks, the node reads outside the broker lock, the
+/// core takes the result with [`Queue::take_read`]). `epoch` is the queue's
+/// [`Queue::read_epoch`] when it asked: a result for an older epoch is stale (the backlog moved
+/// meanwhile) and is dropped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadPlan {
+    pub level: usize,
+    pub epoch: u64,
+    pub what: ReadWhat,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadWhat {
+    /// The next messages on disk: keys `from..=to`, at most `want` of them.
+    Range { from: u64, to: u64, want: usize },
+    /// Requeued messages paged out: the first `take` entries of `returned`, of which those
+    /// with these keys must be read.
+    Keys { keys: Vec<u64>, take: usize },
+}
+
+/// What the store gave back for a [`ReadPlan`].
+#[derive(Debug)]
+pub enum ReadData {
+    Range(Vec<warren_storage::StoredMessage>),
+    Keys(Vec<Option<warren_storage::StoredMessage>>),
+}
+
+impl ReadPlan {
+    /// Carry out the read (the node calls this outside the broker lock).
+    pub fn read(
+        &self,
+        store: &dyn Store,
+        vhost: &str,
+        queue: &str,
+    ) -> Result<ReadData, warren_storage::StoreError> {
+        match &self.what {
+            ReadWhat::Range { from, to, want } => store
+                .read(vhost, queue, *from, *to, *want, READ_BYTES)
+                .map(ReadData::Range),
+            ReadWhat::Keys { keys, .. } => store.read_keys(vhost, queue, keys).map(ReadData::Keys),
+        }
+    }
 }
 
 /// A message waiting in (or delivered from) a queue.
@@ -236,6 +290,13 @@ pub struct Queue {
     pub read_failed: bool,
     /// Rate limit for the log line of a failing read-back.
     read_errors: crate::log_limit::Repeats,
+    /// Moves on whenever what a pending [`ReadPlan`] was made from may have changed (the
+    /// head of `returned`, the disk range): a read for an older epoch is not taken.
+    pub read_epoch: u64,
+    /// A read asked of the node and not answered yet: (epoch, broker clock in ms when asked).
+    /// Deliveries from this queue wait for it; one unanswered for `READ_ASK_AGAIN_MS` is asked
+    /// again.
+    pub read_pending: Option<(u64, u64)>,
     /// Consumers in subscription order; `next` is where the round-robin resumes.
     pub consumers: Vec<QueueConsumer>,
     pub next: usize,
@@ -306,6 +367,8 @@ impl Queue {
             lost: 0,
             read_failed: false,
             read_errors: Default::default(),
+            read_epoch: 0,
+            read_pending: None,
             consumers: Vec::new(),
             next: 0,
             exclusive_consumer: None,
@@ -505,6 +568,7 @@ impl Queue {
                 if r.batch != UNASSIGNED && r.batch <= written {
                     r.msg = None;
                     l.returned_held -= 1;
+                    self.read_epoch += 1;
                     self.mem_count -= 1;
                     self.mem_bytes -= r.size;
                 }
@@ -528,20 +592,42 @@ impl Queue {
     }
 
     /// Bring the next messages of a level into memory: from disk, or (nothing on disk) the
-    /// staged ones. Called when the level's in-memory head is empty.
+    /// staged ones, reading the store here and now. Called when the level's in-memory head is
+    /// empty, on the paths that cannot wait (basic.get, limits, expiry); deliveries to
+    /// consumers ask the node to read instead (`plan_refill`, `take_read`).
     fn refill(&mut self, level: usize) {
-        self.release_written(level);
-        // Requeued messages paged out come first; a batch of them all missing from the store
-        // (a failed write) must not leave the head empty while more are waiting.
-        while self.levels[level].mem.is_empty() && !self.levels[level].returned.is_empty() {
-            let before = self.levels[level].returned.len();
-            self.refill_returned(level);
-            if self.read_failed || self.levels[level].returned.len() == before {
+        while let Some(plan) = self.plan_refill(level) {
+            let Some(pager) = self.pager.clone() else {
+                return;
+            };
+            let data = plan.read(&*pager.store, &self.vhost, &self.name);
+            if !self.take_read(&plan, data) || !self.levels[level].mem.is_empty() {
                 return;
             }
         }
+    }
+
+    /// Bring into memory what a level's empty head can have without reading the store
+    /// (written staged messages leave memory, requeued ones still held come back, staged ones
+    /// move up when nothing is on disk); if the head is still empty and the store must be read,
+    /// what to read. None: nothing to read (the head has messages, or the level is empty).
+    pub fn plan_refill(&mut self, level: usize) -> Option<ReadPlan> {
+        self.release_written(level);
+        // Requeued messages paged out come first.
+        while self.levels[level].mem.is_empty() && !self.levels[level].returned.is_empty() {
+            let (take, keys) = self.returned_head(level);
+            if keys.is_empty() {
+                self.fill_returned(level, take, Vec::new());
+                continue;
+            }
+            return Some(ReadPlan {
+                level,
+                epoch: self.read_epoch,
+                what: ReadWhat::Keys { keys, take },
+            });
+        }
         if !self.levels[level].mem.is_empty() {
-            return;
+            return None;
         }
         let l = &mut self.levels[level];
         if l.disk_count == 0 {
@@ -549,36 +635,115 @@ impl Queue {
             while let Some((_, qm)) = l.staged.pop_front() {
                 l.mem.push_back(qm);
             }
-            return;
+            return None;
         }
-        let Some(pager) = self.pager.clone() else {
-            return;
-        };
+        self.pager.as_ref()?;
         let (from, to) = (
             message_key(level as u8, l.disk_first),
             message_key(level as u8, l.disk_last),
         );
         let want = (l.disk_count as usize).min(READ_MESSAGES);
-        let read = match pager
-            .store
-            .read(&self.vhost, &self.name, from, to, want, READ_BYTES)
-        {
-            Ok(read) => {
+        Some(ReadPlan {
+            level,
+            epoch: self.read_epoch,
+            what: ReadWhat::Range { from, to, want },
+        })
+    }
+
+    /// The next paged-out requeued messages to bring back: how many entries of `returned`
+    /// (at most a read's worth), and the store keys of those not held in memory.
+    fn returned_head(&self, level: usize) -> (usize, Vec<u64>) {
+        let mut take = 0;
+        let mut bytes = 0;
+        let mut keys = Vec::new();
+        for r in self.levels[level].returned.iter() {
+            if take >= READ_MESSAGES || (bytes >= READ_BYTES as u64 && take > 0) {
+                break;
+            }
+            take += 1;
+            if r.msg.is_none() {
+                bytes += r.size;
+                keys.push(message_key(level as u8, r.id));
+            }
+        }
+        (take, keys)
+    }
+
+    /// Whether `plan` still describes what this queue would read now: made at the current
+    /// epoch, and (belt and braces) its head is what the plan was made from.
+    fn plan_current(&self, plan: &ReadPlan) -> bool {
+        if plan.epoch != self.read_epoch || plan.level >= self.levels.len() {
+            return false;
+        }
+        let l = &self.levels[plan.level];
+        match &plan.what {
+            ReadWhat::Range { from, .. } => {
+                l.returned.is_empty()
+                    && l.disk_count > 0
+                    && message_key(plan.level as u8, l.disk_first) == *from
+            }
+            ReadWhat::Keys { keys, take } => {
+                let (t, k) = self.returned_head(plan.level);
+                t == *take && k == *keys
+            }
+        }
+    }
+
+    /// Take what the store gave back for `plan` (read here, or by the node outside the broker
+    /// lock). False when nothing could be taken: the read failed (consumers wait for the
+    /// broker's timer, `Broker::retry_reads`) or the plan is stale (the caller asks again).
+    pub fn take_read(
+        &mut self,
+        plan: &ReadPlan,
+        data: Result<ReadData, warren_storage::StoreError>,
+    ) -> bool {
+        if self.read_pending.is_some_and(|(e, _)| e == plan.epoch) {
+            self.read_pending = None;
+        }
+        if !self.plan_current(plan) {
+            return false;
+        }
+        self.read_epoch += 1;
+        let level = plan.level;
+        let data = match data {
+            Ok(data) => {
                 if let Some(unlogged) = self.read_errors.clear() {
                     tracing::info!(queue = %self.name, failures_not_logged = unlogged, "reading the queue back from the store works again");
                 }
-                read
+                data
             }
             Err(e) => {
                 // Retried every 50 ms while it fails: logged once per interval, with counts.
-                if let Some(unlogged) = self.read_errors.hit(pager.clock.load(Ordering::Relaxed)) {
+                let clock = self
+                    .pager
+                    .as_ref()
+                    .map_or(0, |p| p.clock.load(Ordering::Relaxed));
+                if let Some(unlogged) = self.read_errors.hit(clock) {
                     tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading a queue back from the store failed; retrying");
                 }
                 self.read_failed = true;
-                pager.read_failed.store(true, Ordering::Relaxed);
-                return;
+                if let Some(p) = &self.pager {
+                    p.read_failed.store(true, Ordering::Relaxed);
+                }
+                return false;
             }
         };
+        match (&plan.what, data) {
+            (ReadWhat::Keys { take, .. }, ReadData::Keys(read)) => {
+                self.fill_returned(level, *take, read);
+            }
+            (ReadWhat::Range { .. }, ReadData::Range(read)) => self.fill_from_disk(level, read),
+            // A plan answered with the other kind of data: a defect of the caller's.
+            _ => {
+                tracing::error!(queue = %self.name, "a store read answered with the wrong kind of data");
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Messages read from the disk part of a level go to its in-memory head.
+    fn fill_from_disk(&mut self, level: usize, read: Vec<warren_storage::StoredMessage>) {
         if read.is_empty() {
             // The store does not have what the queue counted (a write failed): forget it.
             let l = &mut self.levels[level];
@@ -588,7 +753,7 @@ impl Queue {
             self.ready_bytes -= l.disk_bytes;
             l.disk_count = 0;
             l.disk_bytes = 0;
-            return self.refill(level);
+            return;
         }
         for m in read {
             let id = warren_storage::key_id(m.key);
@@ -627,47 +792,14 @@ impl Queue {
         }
     }
 
-    /// Bring the next paged-out requeued messages back into memory (the head of `returned`):
-    /// those still held as they are, the others read from the store by key.
-    fn refill_returned(&mut self, level: usize) {
-        let l = &self.levels[level];
-        let mut take = 0;
-        let mut bytes = 0;
-        let mut keys = Vec::new();
-        for r in l.returned.iter() {
-            if take >= READ_MESSAGES || (bytes >= READ_BYTES as u64 && take > 0) {
-                break;
-            }
-            take += 1;
-            if r.msg.is_none() {
-                bytes += r.size;
-                keys.push(message_key(level as u8, r.id));
-            }
-        }
-        let mut read = Vec::new();
-        if !keys.is_empty() {
-            let Some(pager) = self.pager.clone() else {
-                return;
-            };
-            match pager.store.read_keys(&self.vhost, &self.name, &keys) {
-                Ok(r) => {
-                    if let Some(unlogged) = self.read_errors.clear() {
-                        tracing::info!(queue = %self.name, failures_not_logged = unlogged, "reading the queue back from the store works again");
-                    }
-                    read = r;
-                }
-                Err(e) => {
-                    if let Some(unlogged) =
-                        self.read_errors.hit(pager.clock.load(Ordering::Relaxed))
-                    {
-                        tracing::error!(queue = %self.name, error = %e, failures_not_logged = unlogged, "reading requeued messages back from the store failed; retrying");
-                    }
-                    self.read_failed = true;
-                    pager.read_failed.store(true, Ordering::Relaxed);
-                    return;
-                }
-            }
-        }
+    /// The first `take` paged-out requeued messages go back to the in-memory head: those still
+    /// held as they are, the others from `read` (one per entry not held, in order).
+    fn fill_returned(
+        &mut self,
+        level: usize,
+        take: usize,
+        read: Vec<Option<warren_storage::StoredMessage>>,
+    ) {
         let mut read = read.into_iter();
         for _ in 0..take {
             let Some(r) = self.levels[level].returned.pop_front() else {
@@ -791,6 +923,7 @@ impl Queue {
                 });
                 l.returned_held += 1;
                 self.paged_out += 1;
+                self.read_epoch += 1;
             }
         }
         if !spills.is_empty() {
@@ -801,6 +934,7 @@ impl Queue {
     /// What recovery found on disk for this queue: it stays there until read back. Ids up to
     /// `redeliver_upto` go out redelivered.
     pub fn restore(&mut self, levels: &[LevelSummary], redeliver_upto: u64) {
+        self.read_epoch += 1;
         for s in levels {
             let level = (s.level as usize).min(self.levels.len() - 1);
             let l = &mut self.levels[level];
@@ -862,6 +996,7 @@ impl Queue {
             );
             l.returned_held += 1;
             l.returned_unassigned += 1;
+            self.read_epoch += 1;
             return true;
         }
         let l = &mut l.mem;
@@ -921,6 +1056,53 @@ impl Queue {
             body: qm.msg.body.clone(),
             expiration: qm.msg.expiration,
         })
+    }
+
+    /// The level of the next message to deliver, if its in-memory head is empty and the store
+    /// must be read first: what to read (no I/O here; see `plan_refill`). Deliveries to
+    /// consumers ask the node for it rather than reading under the broker lock.
+    pub fn head_read(&mut self) -> Option<ReadPlan> {
+        let level = (0..self.levels.len())
+            .rev()
+            .find(|&l| self.levels[l].len() > 0)?;
+        if !self.levels[level].mem.is_empty() {
+            return None;
+        }
+        self.plan_refill(level)
+    }
+
+    /// For the expiry timer: the read a level needs before its head can be looked at (its
+    /// in-memory head is empty, messages that may expire wait on disk), highest priority first.
+    pub fn expiry_read(&mut self) -> Option<ReadPlan> {
+        if !self.disk_may_expire {
+            return None;
+        }
+        for level in (0..self.levels.len()).rev() {
+            if self.levels[level].mem.is_empty() && self.levels[level].paged() {
+                if let Some(plan) = self.plan_refill(level) {
+                    return Some(plan);
+                }
+            }
+        }
+        None
+    }
+
+    /// Whether the node should be asked for `plan` now: not if the same read is pending and
+    /// was asked for less than `READ_ASK_AGAIN_MS` ago (`now`, broker clock ms).
+    pub fn ask_read(&mut self, plan: &ReadPlan, now: u64) -> bool {
+        if self
+            .read_pending
+            .is_some_and(|(e, at)| e == plan.epoch && now < at.saturating_add(READ_ASK_AGAIN_MS))
+        {
+            return false;
+        }
+        self.read_pending = Some((plan.epoch, now));
+        true
+    }
+
+    /// Whether backlog reads go through the node (see `Pager::async_reads`).
+    pub fn async_reads(&self) -> bool {
+        self.pager.as_ref().is_some_and(|p| p.async_reads)
     }
 
     /// The next message to deliver: highest priority first.
@@ -1148,6 +1330,11 @@ impl Queue {
             false
         });
         l.returned_held -= held;
+        if n > 0 {
+            // A pending read of the head of `returned` may name one of them.
+            self.read_epoch += 1;
+        }
+        let l = &mut self.levels[level];
         l.mem.retain(|m| {
             if !gone(m.id) {
                 return true;
@@ -1184,6 +1371,7 @@ impl Queue {
         level: usize,
         sizes: impl FnOnce(&Pager, &Queue) -> Result<Vec<u64>, warren_storage::StoreError>,
     ) {
+        self.read_epoch += 1;
         let Some(pager) = self.pager.clone() else {
             return;
         };
@@ -1289,6 +1477,7 @@ impl Queue {
     /// store holds: in-memory ones one by one, and per level the range from the first on disk
     /// or staged onwards (`(from, to)` keys).
     pub fn purge(&mut self) -> (usize, Vec<u64>, Vec<(u64, u64)>) {
+        self.read_epoch += 1;
         let n = self.count;
         let mut keys = Vec::new();
         let mut ranges = Vec::new();

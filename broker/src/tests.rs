@@ -579,6 +579,7 @@ fn a_failed_backlog_read_is_retried_by_the_timer() {
         written: written.clone(),
         hold_max_ms: 0,
         read_failed: Default::default(),
+        async_reads: false,
         clock: Default::default(),
     });
     declare(&mut b, c, "deep");
@@ -635,6 +636,7 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
             written: written.clone(),
             hold_max_ms: 0,
             read_failed: Default::default(),
+            async_reads: false,
             clock: Default::default(),
         });
         let mut fx = Vec::new();
@@ -720,6 +722,7 @@ fn a_replica_takes_only_the_removals_of_replicated_messages() {
         written,
         hold_max_ms: 0,
         read_failed: Default::default(),
+        async_reads: false,
         clock: Default::default(),
     };
     let store = || Arc::new(FlakyReads::default());

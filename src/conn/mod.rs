@@ -65,10 +65,10 @@ pub async fn serve_tls(
         // Only a certificate the CA verified reaches here (`--tls-verify-peer`); without it
         // rustls asks for none.
         peer_cert: session.peer_certificates().is_some_and(|c| !c.is_empty()),
-        cert_name: session
+        subject: session
             .peer_certificates()
             .and_then(|c| c.first())
-            .and_then(crate::tls::common_name),
+            .and_then(crate::tls::subject),
     };
     let (rd, wr) = tokio::io::split(stream);
     serve_halves(

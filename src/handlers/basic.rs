@@ -119,6 +119,8 @@ impl Session {
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         let conn = self.conn;
+        // A head paged out is read with the broker lock released (issue 13 point 5).
+        self.shared.read_head_for_get(&self.vhost, &queue);
         core(&self.shared, &mut self.ctx, |b, _| {
             let (user, vhost) = (&self.user, &self.vhost);
             self.grant

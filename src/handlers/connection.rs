@@ -216,7 +216,10 @@ impl Session {
         let allowed = if external {
             // The certificate names the user; the response (often empty) is not looked at.
             let tls = self.info.as_ref().and_then(|i| i.tls.as_ref());
-            match tls.and_then(|t| t.cert_name.clone()) {
+            match tls
+                .and_then(|t| t.subject.as_ref())
+                .and_then(|s| s.common_name.clone())
+            {
                 Some(n)
                     if crate::auth::external_login_allowed(&self.shared, &n, self.peer.ip()) =>
                 {

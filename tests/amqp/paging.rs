@@ -822,3 +822,93 @@ async fn messages_paged_out_by_a_requeue_keep_their_redelivered_flag() {
     let redelivered: Vec<usize> = got.iter().filter(|(_, r)| *r).map(|(b, _)| *b).collect();
     assert_eq!(redelivered, (0..TAKEN).collect::<Vec<_>>());
 }
+
+/// Issue 13 point 5: a queue's backlog is read back from the store outside the broker lock
+/// (the core asks, the node reads, the core takes the result). With every backlog read
+/// taking 1.5 s (a slow disk), a consumer draining a deep queue waits for its reads, while
+/// another client's publishes and gets on another queue go through all along; the consumer
+/// still gets every message once, in order. (With the reads under the lock, as before, each
+/// of the bystander's round trips waited out a read.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_backlog_read_holds_up_no_other_client() {
+    slow_reads_beside_a_bystander(false).await;
+}
+
+/// The same with basic.get draining the deep queue: the head it needs is read with the lock
+/// released before the get.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_backlog_read_for_basic_get_holds_up_no_other_client() {
+    slow_reads_beside_a_bystander(true).await;
+}
+
+async fn slow_reads_beside_a_bystander(by_get: bool) {
+    let server = TestServer::start_with(warren::Config {
+        read_delay: Some(std::time::Duration::from_millis(1500)),
+        ..Default::default()
+    })
+    .await;
+    let conn = server.connect().await;
+    let ch = confirming_channel(&conn).await;
+    let q = unique("slow-read");
+    ch.queue_declare(q.as_str().into(), durable_q(), FieldTable::default())
+        .await
+        .unwrap();
+    let n = 3 * WINDOW_MESSAGES;
+    publish_n(&ch, "", &q, 0, n, |_| persistent()).await;
+    settles_within(&server, WINDOW_MESSAGES).await;
+    let other = unique("bystander");
+    ch.queue_declare(other.as_str().into(), durable_q(), FieldTable::default())
+        .await
+        .unwrap();
+    // The consumer drains the window in memory, then waits for the store (about 4 reads).
+    let consumer_conn = server.connect().await;
+    let cch = consumer_conn.create_channel().await.unwrap();
+    let queue = q.clone();
+    let drained = tokio::spawn(async move {
+        if by_get {
+            get_n(&cch, &queue, n).await
+        } else {
+            drain(&cch, &queue, n).await
+        }
+    });
+    // Meanwhile, until the consumer is done: round trips on another queue, each well within a
+    // read's 1.5 s. The bystander runs on a thread and runtime of its own: the broker runs on
+    // the test's, and a worker thread of it blocked (as behind a lock held over a read) would
+    // also stop a bystander sharing it from measuring anything.
+    let url = server.url();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let bystander = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let conn = lapin::Connection::connect(&url, Default::default())
+                .await
+                .unwrap();
+            let bch = confirming_channel(&conn).await;
+            let mut slowest = std::time::Duration::ZERO;
+            let mut trips = 0;
+            while stopped.try_recv().is_err() {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                let started = std::time::Instant::now();
+                publish_n(&bch, "", &other, trips, 1, |_| persistent()).await;
+                let got = get_n(&bch, &other, 1).await;
+                assert_eq!(got, vec![(trips, false)]);
+                slowest = slowest.max(started.elapsed());
+                trips += 1;
+            }
+            (slowest, trips)
+        })
+    });
+    let got = drained.await.unwrap();
+    stop.send(()).unwrap();
+    let (slowest, trips) = bystander.join().unwrap();
+    assert!(
+        slowest < std::time::Duration::from_millis(1000),
+        "a round trip beside the slow reads took {slowest:?}"
+    );
+    assert!(trips >= 10, "only {trips} round trips beside the reads");
+    let expected: Vec<(usize, bool)> = (0..n).map(|i| (i, false)).collect();
+    assert_eq!(got, expected);
+}
