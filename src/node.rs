@@ -18,6 +18,8 @@ use tracing::{info, warn};
 
 /// State shared by all connections.
 pub struct Shared {
+    /// This, for work handed to other threads (`carry_out_reads`).
+    me: std::sync::Weak<Shared>,
     pub config: Config,
     /// The broker core. Lock order: broker → outboxes → one outbox. Never held across an await.
     pub broker: Mutex<Broker>,
@@ -283,7 +285,8 @@ impl Shared {
             let _ = broker.apply(&op, &mut fx);
         }
         let connection_max = config_connection_max(&config);
-        Arc::new(Shared {
+        Arc::new_cyclic(|me| Shared {
+            me: me.clone(),
             connection_max,
             config,
             broker: Mutex::new(broker),
@@ -402,7 +405,8 @@ impl Shared {
         });
         let limit = config.disk_free_limit;
         let connection_max = config_connection_max(&config);
-        Ok(Arc::new(Shared {
+        Ok(Arc::new_cyclic(|me| Shared {
+            me: me.clone(),
             connection_max,
             config,
             broker: Mutex::new(broker),
@@ -469,32 +473,32 @@ impl Shared {
             outbox.hold_end(hold, ticket);
         }
         drop(broker);
-        self.carry_out_reads(reads);
+        self.read_elsewhere(reads);
         (r, ticket)
     }
 
-    /// basic.get on a queue whose head is on disk: read it with the lock released first (a
-    /// few times at most, as consumers may take what was read), so that the get itself finds
-    /// it in memory; past that, the get reads for itself.
-    pub fn read_head_for_get(&self, vhost: &str, queue: &str) {
-        for _ in 0..3 {
-            let (req, _) = self.execute(Caller::Timer, &mut Vec::new(), |b, _| {
-                b.head_read_request(vhost, queue)
-            });
-            let Some(req) = req else {
-                return;
-            };
-            self.carry_out_reads(vec![req]);
+    /// Hand reads queues asked for to a blocking thread of the runtime (there is none outside
+    /// one: read here), so that whoever's change set them off (a publisher, the timer, a
+    /// connection's writer) does not wait for them.
+    fn read_elsewhere(&self, reads: Vec<crate::broker::ReadRequest>) {
+        if reads.is_empty() {
+            return;
+        }
+        match (tokio::runtime::Handle::try_current(), self.me.upgrade()) {
+            (Ok(rt), Some(me)) => {
+                rt.spawn_blocking(move || me.carry_out_reads(reads));
+            }
+            _ => self.carry_out_reads(reads),
         }
     }
 
     /// Read what queues asked for (`Effect::Read`) with the broker lock released, and hand
     /// each result back; what that hands out may ask for more (the next batch of a backlog),
-    /// read in turn. A slow disk read so holds up only this caller, never the broker (issue 13
+    /// read in turn. A slow disk read so holds up only this thread, never the broker (issue 13
     /// point 5). It ends when the queues' consumers have no credit left (their connections'
-    /// delivery budgets bound it); past 10,000 rounds what is left is asked again by the timer
-    /// (`Broker::retry_reads`).
-    fn carry_out_reads(&self, mut reads: Vec<crate::broker::ReadRequest>) {
+    /// delivery budgets bound it); past 10,000 rounds what is left is asked again at the
+    /// queues' next dispatch.
+    pub(crate) fn carry_out_reads(&self, mut reads: Vec<crate::broker::ReadRequest>) {
         let Some(store) = self.store.clone() else {
             return;
         };
@@ -528,6 +532,13 @@ impl Shared {
             }
             reads = take_reads(&mut fx);
             self.apply_effects(&mut fx);
+        }
+        if !reads.is_empty() {
+            // Left over: the queues ask again at their next dispatch.
+            let mut broker = self.lock_notify(None);
+            for r in &reads {
+                broker.read_dropped(r);
+            }
         }
     }
 

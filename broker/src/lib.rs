@@ -764,9 +764,15 @@ impl Broker {
     }
 
     /// For basic.get: the read a queue's head needs first, if it is on disk (the caller reads
-    /// it outside the lock and hands it to `read_done` before getting).
-    pub fn head_read_request(&mut self, vhost: &str, queue: &str) -> Option<ReadRequest> {
-        let id = *self.vhost(vhost).ok()?.queues.get(queue)?;
+    /// it outside the lock and hands it to `read_done` before getting). None also where the
+    /// get itself will refuse (no such queue, another connection's exclusive queue).
+    pub fn head_read_request(
+        &mut self,
+        conn: ConnId,
+        vhost: &str,
+        queue: &str,
+    ) -> Option<ReadRequest> {
+        let id = self.usable_queue(conn, vhost, queue).ok()?;
         let q = self.replicated.queues.get_mut(&id)?;
         if !q.async_reads() {
             return None;
@@ -791,8 +797,22 @@ impl Broker {
         let Some(q) = self.replicated.queues.get_mut(&req.queue) else {
             return;
         };
+        // The same queue, not one that took its id in a broker rebuilt meanwhile (a leader
+        // that stepped down rebuilds its broker from the store).
+        if q.name != req.name || q.vhost != req.vhost {
+            return;
+        }
         q.take_read(&req.plan, data);
         self.dispatch(req.queue, fx);
+    }
+
+    /// A read asked for and not carried out: its queue asks again at its next dispatch.
+    pub fn read_dropped(&mut self, req: &ReadRequest) {
+        if let Some(q) = self.replicated.queues.get_mut(&req.queue) {
+            if q.read_pending.is_some_and(|(e, _)| e == req.plan.epoch) {
+                q.read_pending = None;
+            }
+        }
     }
 
     /// Hand out again the backlog of queues whose read from the store failed (called on a

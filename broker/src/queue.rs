@@ -290,8 +290,10 @@ pub struct Queue {
     pub read_failed: bool,
     /// Rate limit for the log line of a failing read-back.
     read_errors: crate::log_limit::Repeats,
-    /// Moves on whenever what a pending [`ReadPlan`] was made from may have changed (the
-    /// head of `returned`, the disk range): a read for an older epoch is not taken.
+    /// Moves on when a read is taken, and when messages leave the disk part other than by a
+    /// read (removals, purge) or it is rebuilt (restore): a read for an older epoch is not
+    /// taken. Changes to `returned` need no new epoch: `plan_current` compares the head a
+    /// plan was made from with the head now.
     pub read_epoch: u64,
     /// A read asked of the node and not answered yet: (epoch, broker clock in ms when asked).
     /// Deliveries from this queue wait for it; one unanswered for `READ_ASK_AGAIN_MS` is asked
@@ -568,7 +570,6 @@ impl Queue {
                 if r.batch != UNASSIGNED && r.batch <= written {
                     r.msg = None;
                     l.returned_held -= 1;
-                    self.read_epoch += 1;
                     self.mem_count -= 1;
                     self.mem_bytes -= r.size;
                 }
@@ -923,7 +924,6 @@ impl Queue {
                 });
                 l.returned_held += 1;
                 self.paged_out += 1;
-                self.read_epoch += 1;
             }
         }
         if !spills.is_empty() {
@@ -996,7 +996,6 @@ impl Queue {
             );
             l.returned_held += 1;
             l.returned_unassigned += 1;
-            self.read_epoch += 1;
             return true;
         }
         let l = &mut l.mem;
@@ -1330,11 +1329,6 @@ impl Queue {
             false
         });
         l.returned_held -= held;
-        if n > 0 {
-            // A pending read of the head of `returned` may name one of them.
-            self.read_epoch += 1;
-        }
-        let l = &mut self.levels[level];
         l.mem.retain(|m| {
             if !gone(m.id) {
                 return true;

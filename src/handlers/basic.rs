@@ -119,8 +119,21 @@ impl Session {
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         let conn = self.conn;
-        // A head paged out is read with the broker lock released (issue 13 point 5).
-        self.shared.read_head_for_get(&self.vhost, &queue);
+        // A head paged out is read with the broker lock released first (issue 13 point 5),
+        // once the get is known to be allowed; a few times at most, as consumers may take what
+        // was read: past that, the get reads for itself.
+        for _ in 0..3 {
+            let read = core(&self.shared, &mut self.ctx, |b, _| {
+                let (user, vhost) = (&self.user, &self.vhost);
+                self.grant
+                    .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
+                Ok(b.head_read_request(conn, vhost, &queue))
+            })?;
+            let Some(read) = read else {
+                break;
+            };
+            self.shared.carry_out_reads(vec![read]);
+        }
         core(&self.shared, &mut self.ctx, |b, _| {
             let (user, vhost) = (&self.user, &self.vhost);
             self.grant

@@ -182,6 +182,21 @@ impl Node {
     }
 }
 
+/// Wait (10 s at most) until node `i` reports a snapshot: the messages it holds can be there
+/// (`replicated`) a moment before openraft's metrics, which the status shows, catch up (CI saw
+/// `applied_index` and `snapshot_index` still null right after the messages arrived).
+async fn installed_a_snapshot(c: &Cluster, i: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = c.nodes[i].status().unwrap_or_default();
+        if s["snapshot_index"].as_u64().unwrap_or(0) > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no snapshot on node {i}: {s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub struct Cluster {
     pub nodes: Vec<Node>,
     pub dir: tempfile::TempDir,
@@ -777,8 +792,7 @@ async fn the_log_is_reclaimed_behind_snapshots_and_new_or_stopped_nodes_catch_up
     assert!(ok, "{out}");
     publish_confirmed(&conn, "snap", 1000, 5).await;
     replicated(&c, "snap", 195, Duration::from_secs(20)).await;
-    let s = c.nodes[extra].status().unwrap();
-    assert!(s["snapshot_index"].as_u64().unwrap_or(0) > 0, "{s}");
+    installed_a_snapshot(&c, extra).await;
     // A follower down while the log moves past a snapshot and is reclaimed catches up from
     // a snapshot when it is back.
     let behind = (leader + 1) % 3;
@@ -1045,8 +1059,7 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "4", &raft]);
     assert!(ok, "{out}");
     replicated(&c, "big", 380, Duration::from_secs(60)).await;
-    let s = c.nodes[extra].status().unwrap();
-    assert!(s["snapshot_index"].as_u64().unwrap_or(0) > 0, "{s}");
+    installed_a_snapshot(&c, extra).await;
     let snapshots = c.dir.path().join("n4").join("raft-snapshot");
     let size = std::fs::metadata(snapshots.join("current")).unwrap().len();
     assert!(size > 64 << 20, "the snapshot file has {size} bytes");
