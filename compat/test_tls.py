@@ -560,8 +560,10 @@ def test_external_login_of_unknown_user_is_refused(verify_broker, pki, tls_user)
     assert name not in connection_names(verify_broker)
 
 
-def test_external_login_of_unknown_user_closes_with_403_raw(verify_broker, pki, tls_user):
-    c = raw_tls(verify_broker, pki, "nobody-here")
+def assert_external_refused_raw(broker, pki, cert):
+    """EXTERNAL is offered over TLS with the client certificate `cert` (None: none) and the
+    login is refused with 403, as RabbitMQ refuses it (authentication_failure_close)."""
+    c = raw_tls(broker, pki, cert)
     with c:
         _, _, mechanisms, _ = c.start()
         assert "EXTERNAL" in mechanisms, mechanisms
@@ -574,25 +576,17 @@ def test_external_login_of_unknown_user_closes_with_403_raw(verify_broker, pki, 
         assert method_of(fr) == CONNECTION_CLOSE, fr
         code, text, _class_id, _method_id = amqp_raw.decode_close(fr)
         assert (code, text) == (403, EXTERNAL_REFUSED)
+
+
+def test_external_login_of_unknown_user_closes_with_403_raw(verify_broker, pki, tls_user):
+    assert_external_refused_raw(verify_broker, pki, "nobody-here")
 
 
 def test_external_without_a_client_certificate_is_offered_and_refused_with_403(
         verify_broker, pki, tls_user):
     # As RabbitMQ's rabbitmq_auth_mechanism_ssl: EXTERNAL is offered on every TLS connection
     # (to help clients debug their setup) and refused when no certificate was given.
-    c = raw_tls(verify_broker, pki, None)
-    with c:
-        _, _, mechanisms, _ = c.start()
-        assert "EXTERNAL" in mechanisms, mechanisms
-        client_props = {"product": "warren-compat-raw",
-                        "capabilities": {"authentication_failure_close": True}}
-        c.send_method(0, CONNECTION_START_OK,
-                      amqp_raw.table(client_props) + amqp_raw.shortstr("EXTERNAL")
-                      + amqp_raw.longstr(b"") + amqp_raw.shortstr("en_US"))
-        fr = c.read_method()
-        assert method_of(fr) == CONNECTION_CLOSE, fr
-        code, text, _class_id, _method_id = amqp_raw.decode_close(fr)
-        assert (code, text) == (403, EXTERNAL_REFUSED)
+    assert_external_refused_raw(verify_broker, pki, None)
 
 
 def test_external_not_offered_on_plain_listener(verify_broker, tls_user):

@@ -106,6 +106,24 @@ pub struct ReadRequest {
     pub plan: queue::ReadPlan,
 }
 
+impl ReadRequest {
+    fn of(queue: QueueId, q: &Queue, plan: queue::ReadPlan) -> Self {
+        ReadRequest {
+            queue,
+            vhost: q.vhost.clone(),
+            name: q.name.clone(),
+            plan,
+        }
+    }
+
+    /// Ask the node for `plan` of queue `id` (unless the same read is pending already).
+    fn ask(id: QueueId, q: &mut Queue, plan: queue::ReadPlan, now: u64, fx: &mut Vec<Effect>) {
+        if q.ask_read(&plan, now) {
+            fx.push(Effect::Read(ReadRequest::of(id, q, plan)));
+        }
+    }
+}
+
 /// A consumer on a channel.
 #[derive(Debug)]
 struct Consumer {
@@ -778,12 +796,7 @@ impl Broker {
             return None;
         }
         let plan = q.head_read()?;
-        Some(ReadRequest {
-            queue: id,
-            vhost: q.vhost.clone(),
-            name: q.name.clone(),
-            plan,
-        })
+        Some(ReadRequest::of(id, q, plan))
     }
 
     /// The node read what a queue asked for (`Effect::Read`): take it (unless the queue moved
@@ -973,14 +986,7 @@ impl Broker {
                     }
                     if asks {
                         if let Some(plan) = q.expiry_read() {
-                            if q.ask_read(&plan, now) {
-                                fx.push(Effect::Read(ReadRequest {
-                                    queue: *id,
-                                    vhost: q.vhost.clone(),
-                                    name: q.name.clone(),
-                                    plan,
-                                }));
-                            }
+                            ReadRequest::ask(*id, q, plan, now, fx);
                         }
                     }
                     if !q.has_expiring() {
@@ -2412,14 +2418,7 @@ impl Broker {
             }
             if asks {
                 if let Some(plan) = q.head_read() {
-                    if q.ask_read(&plan, now) {
-                        fx.push(Effect::Read(ReadRequest {
-                            queue: id,
-                            vhost: q.vhost.clone(),
-                            name: q.name.clone(),
-                            plan,
-                        }));
-                    }
+                    ReadRequest::ask(id, q, plan, now, fx);
                     break;
                 }
                 if q.is_empty() {

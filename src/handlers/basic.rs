@@ -119,49 +119,50 @@ impl Session {
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         let conn = self.conn;
-        // A head paged out is read with the broker lock released first (issue 13 point 5),
-        // once the get is known to be allowed; a few times at most, as consumers may take what
-        // was read: past that, the get reads for itself.
-        for _ in 0..3 {
+        // A head paged out is read with the broker lock released first (issue 13 point 5):
+        // the get hands back the read it needs instead of getting, and is tried again once it
+        // is done; a few times at most, as consumers may take what was read: the last try
+        // reads for itself.
+        for attempt in 0..4 {
             let read = core(&self.shared, &mut self.ctx, |b, _| {
                 let (user, vhost) = (&self.user, &self.vhost);
                 self.grant
                     .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
-                Ok(b.head_read_request(conn, vhost, &queue))
-            })?;
-            let Some(read) = read else {
-                break;
-            };
-            self.shared.carry_out_reads(vec![read]);
-        }
-        core(&self.shared, &mut self.ctx, |b, _| {
-            let (user, vhost) = (&self.user, &self.vhost);
-            self.grant
-                .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
-            match b.get(conn, ch, &self.vhost, &queue, g.no_ack)? {
-                Some(r) => {
-                    if let Some(rep) = &self.shared.replication {
-                        // Not before the cluster has it (see `QueuedMessage::batch`).
-                        rep.hold_delivery(conn, &self.outbox, r.batch);
+                if attempt < 3 {
+                    if let Some(read) = b.head_read_request(conn, vhost, &queue) {
+                        return Ok(Some(read));
                     }
-                    self.outbox.method_with_content(
-                        ch,
-                        &AMQPClass::Basic(M::GetOk(basic::GetOk {
-                            delivery_tag: r.delivery_tag,
-                            redelivered: r.redelivered,
-                            exchange: warren_protocol::short(&r.msg.exchange),
-                            routing_key: warren_protocol::short(&r.msg.routing_key),
-                            message_count: r.message_count,
-                        })),
-                        &r.msg,
-                    )
                 }
-                None => self
-                    .outbox
-                    .method(ch, &AMQPClass::Basic(M::GetEmpty(basic::GetEmpty {}))),
+                match b.get(conn, ch, vhost, &queue, g.no_ack)? {
+                    Some(r) => {
+                        if let Some(rep) = &self.shared.replication {
+                            // Not before the cluster has it (see `QueuedMessage::batch`).
+                            rep.hold_delivery(conn, &self.outbox, r.batch);
+                        }
+                        self.outbox.method_with_content(
+                            ch,
+                            &AMQPClass::Basic(M::GetOk(basic::GetOk {
+                                delivery_tag: r.delivery_tag,
+                                redelivered: r.redelivered,
+                                exchange: warren_protocol::short(&r.msg.exchange),
+                                routing_key: warren_protocol::short(&r.msg.routing_key),
+                                message_count: r.message_count,
+                            })),
+                            &r.msg,
+                        )
+                    }
+                    None => self
+                        .outbox
+                        .method(ch, &AMQPClass::Basic(M::GetEmpty(basic::GetEmpty {}))),
+                }
+                Ok(None)
+            })?;
+            match read {
+                Some(read) => self.shared.carry_out_reads(vec![read]),
+                None => break,
             }
-            Ok(())
-        })
+        }
+        Ok(())
     }
 
     fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
