@@ -4,6 +4,7 @@
 //! `conn`, `http` and `server` in the module graph: it names none of them (the outboxes it
 //! writes to are `outbox`, a leaf).
 
+use crate::broker::cmd::{Cmd, Grant, Outcome, Reply, Who};
 use crate::broker::{Broker, ConnId, Effect};
 use crate::commit::{Committer, Done};
 use crate::config::Config;
@@ -15,6 +16,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::watch;
 use tracing::{info, warn};
+use warren_protocol::AmqpError;
 
 /// State shared by all connections.
 pub struct Shared {
@@ -157,23 +159,41 @@ impl warren_storage::Store for SlowSync {
 
 /// Who asks the core for a change (`Shared::execute`).
 pub enum Caller<'a> {
-    /// A client connection, told on `notify` when its durable changes are on disk.
+    /// A client connection: who it is (its user, vhost and permissions), the outbox its
+    /// replies go to, the sender told when its durable changes are on disk, and its buffer
+    /// of effects (kept across calls: a publish does not allocate one). A held reply also
+    /// waits for commit `after` (a tx.commit-ok for the publishes routed before it).
     Conn {
+        who: Who<'a>,
+        outbox: &'a Arc<Outbox>,
         notify: &'a tokio::sync::mpsc::UnboundedSender<Done>,
-    },
-    /// A client connection whose replies (pushed to `outbox` by the change) must not reach it
-    /// before the change is on disk, nor before commit `after`.
-    Reply {
-        notify: &'a tokio::sync::mpsc::UnboundedSender<Done>,
-        outbox: &'a Outbox,
+        fx: &'a mut Vec<Effect>,
         after: Option<u64>,
     },
-    /// The management API, told on `notify` like a connection.
+    /// The management API, for the logged-in `user`, in `vhost` ("" when none is concerned),
+    /// told on `notify` like a connection.
     Admin {
+        user: &'a str,
+        vhost: &'a str,
         notify: tokio::sync::mpsc::UnboundedSender<Done>,
     },
-    /// A timer of the node (expiry, consumer timeout, read retries, delivery refills).
-    Timer,
+    /// The node itself: a timer (expiry, consumer timeout, read retries), start-up
+    /// (--load-definitions), or a connection's writer (`conn` and its `outbox`: delivery
+    /// refills, the publisher hold).
+    Node {
+        conn: ConnId,
+        outbox: Option<&'a Outbox>,
+    },
+}
+
+impl Caller<'_> {
+    /// The node itself, for no connection.
+    pub fn node() -> Self {
+        Caller::Node {
+            conn: 0,
+            outbox: None,
+        }
+    }
 }
 
 /// The broker, locked. Dropping it hands the durable changes made meanwhile to the committer,
@@ -441,40 +461,109 @@ impl Shared {
     }
 
     /// The one way into the broker core for a change: AMQP handlers, the management API and
-    /// the timers all come through here. Under the broker lock, in this order: the broker's
-    /// clock is set, `f` runs, for a `Caller::Reply` the hold on its outbox begins before `f`
-    /// can write a reply and ends with the commit ticket (see `Outbox::hold_begin`), the
-    /// effects go to the outboxes, and the journal goes to the committer. Returns `f`'s result
-    /// and the commit ticket of the durable changes it made (None: none). The place where a
-    /// permission check, a metric or (in a cluster) a proposal hooks in.
-    pub fn execute<R>(
+    /// the timers hand their command here (issue 13 point 6). Under the broker lock, in this
+    /// order: the broker's clock is set; for a command whose reply is held
+    /// (`Cmd::holds_reply`), the hold on the caller's outbox begins; the core carries the
+    /// command out (`Broker::execute`: permission checks, the change, the reply); the reply
+    /// is written to the caller's outbox, the effects go to the outboxes, the journal goes to
+    /// the committer, and the hold ends with the commit ticket (see `Outbox::hold_begin`).
+    /// Reads the core asked for are done after the lock is released. Returns the command's
+    /// outcome and the commit ticket of the durable changes it made (None: none). The place
+    /// where a permission check, a metric or (in a cluster) a proposal hooks in.
+    pub fn execute(
         &self,
         caller: Caller<'_>,
-        fx: &mut Vec<Effect>,
-        f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
-    ) -> (R, Option<u64>) {
-        let notify = match &caller {
-            Caller::Conn { notify } | Caller::Reply { notify, .. } => Some((*notify).clone()),
-            Caller::Admin { notify } => Some(notify.clone()),
-            Caller::Timer => None,
+        cmd: Cmd,
+    ) -> (Result<Outcome, AmqpError>, Option<u64>) {
+        let (grant, mut own_fx) = (Grant::default(), Vec::new());
+        // `client`: a client connection's outbox, registered when connection.open succeeds.
+        let (who, client, outbox, notify, fx, after) = match caller {
+            Caller::Conn {
+                who,
+                outbox,
+                notify,
+                fx,
+                after,
+            } => (
+                who,
+                Some(outbox),
+                Some(&**outbox),
+                Some(notify.clone()),
+                fx,
+                after,
+            ),
+            Caller::Admin {
+                user,
+                vhost,
+                notify,
+            } => {
+                let who = Who::api(user, vhost, &grant);
+                (who, None, None, Some(notify), &mut own_fx, None)
+            }
+            Caller::Node { conn, outbox } => {
+                let who = Who {
+                    conn,
+                    ..Who::node(&grant)
+                };
+                (who, None, outbox, None, &mut own_fx, None)
+            }
         };
         let mut broker = self.lock_notify(notify);
         broker.set_clock(crate::clock::now_ms());
-        let began = match &caller {
-            Caller::Reply { outbox, .. } => Some(outbox.hold_begin()),
-            _ => None,
-        };
-        let r = f(&mut broker, fx);
+        if let (Cmd::Refill { .. }, Some(outbox)) = (&cmd, outbox) {
+            // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
+            if !outbox.is_empty() {
+                return (Ok(Outcome::Done), None);
+            }
+            outbox.throttled.store(false, Ordering::Release);
+        }
+        let held = outbox.filter(|_| cmd.holds_reply());
+        let began = held.map(|outbox| outbox.hold_begin());
+        if let (Cmd::DeclareQueue { decl, .. }, Some(name)) = (&cmd, &self.config.panic_on_declare)
+        {
+            // Test hook (off unless a test sets it): a defect that panics with the broker
+            // lock held, to show the connection task recovers from it (conn::serve).
+            if &decl.name == name {
+                panic!("injected panic declaring {name}");
+            }
+        }
+        let closes = matches!(cmd, Cmd::CloseConnection);
+        let result = broker.execute(&who, cmd, fx).map(|(outcome, reply)| {
+            if let (Outcome::Opened(conn), Some(client)) = (&outcome, client) {
+                // Registered while the broker lock is held: deliveries find it from now on.
+                self.outboxes.write().insert(*conn, Arc::clone(client));
+            }
+            if let (Some(reply), Some(outbox)) = (reply, outbox) {
+                self.write_reply(who.conn, outbox, reply);
+            }
+            outcome
+        });
+        if closes {
+            // Removed while the broker lock is held: nothing can route to it after.
+            self.outboxes.write().remove(&who.conn);
+        }
         let reads = take_reads(fx);
         self.apply_effects(fx);
         let mut ticket = broker.flush();
-        if let (Caller::Reply { outbox, after, .. }, Some(hold)) = (&caller, began) {
-            ticket = ticket.max(*after);
+        if let (Some(outbox), Some(hold)) = (held, began) {
+            ticket = ticket.max(after);
             outbox.hold_end(hold, ticket);
         }
         drop(broker);
         self.read_elsewhere(reads);
-        (r, ticket)
+        (result, ticket)
+    }
+
+    /// Write a command's reply to the caller's outbox (a get-ok of a cluster's leader waits
+    /// for the commit of the batch that replicated its message).
+    fn write_reply(&self, conn: ConnId, outbox: &Outbox, reply: Reply) {
+        if let (Some(batch), Some(rep)) = (reply.batch, &self.replication) {
+            rep.hold_delivery(conn, outbox, batch);
+        }
+        match &reply.content {
+            Some(msg) => outbox.method_with_content(reply.channel, &reply.method, msg),
+            None => outbox.method(reply.channel, &reply.method),
+        }
     }
 
     /// Hand reads queues asked for to a blocking thread of the runtime (there is none outside
@@ -803,4 +892,58 @@ pub fn default_definitions(broker: &Broker, config: &Config) -> Vec<warren_stora
         }));
     }
     ops
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 13 point 6: AMQP handlers, the management API, the connection tasks and the
+    /// server's timers reach the broker core only by handing a command to `Shared::execute`
+    /// (or read it through `Shared::query`): none of them locks the broker or holds it
+    /// mutably. (The cluster's Raft state machine applies committed ops, and its leadership
+    /// takeover installs state; both live in `cluster/`, which this does not scan.)
+    #[test]
+    fn only_the_node_changes_the_core() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let forbidden = [
+            ".broker.lock(",
+            "lock_notify(",
+            "shared.lock(",
+            "&mut Broker",
+            "BrokerGuard",
+            "Caller::Conn {",
+        ];
+        let mut paths = vec![src.join("server.rs")];
+        for dir in ["handlers", "http", "conn"] {
+            for entry in std::fs::read_dir(src.join(dir)).unwrap() {
+                paths.push(entry.unwrap().path());
+            }
+        }
+        let mut found = Vec::new();
+        let mut executes = 0;
+        for path in &paths {
+            let text = std::fs::read_to_string(path).unwrap();
+            let allowed_conn = path.ends_with("conn/session.rs");
+            for (n, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap_or("");
+                for f in forbidden {
+                    // The session builds its own caller, once, in `run_as`.
+                    if code.contains(f) && !(allowed_conn && f == "Caller::Conn {") {
+                        found.push(format!("{}:{}: {f}", path.display(), n + 1));
+                    }
+                }
+                if code.contains(".execute(") {
+                    executes += 1;
+                    // A command value, never a closure.
+                    if code.contains('|') {
+                        found.push(format!("{}:{}: a closure", path.display(), n + 1));
+                    }
+                }
+            }
+        }
+        assert!(executes >= 5, "the scan found {executes} calls of execute");
+        assert!(
+            found.is_empty(),
+            "the core reached around execute: {found:#?}"
+        );
+    }
 }

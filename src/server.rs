@@ -1,5 +1,6 @@
 //! Accept loop, connection limits at accept, timers and graceful shutdown.
 
+use crate::broker::cmd::Cmd;
 use crate::config::Config;
 use crate::conn;
 use crate::node::{Caller, Shared};
@@ -39,10 +40,10 @@ pub async fn run(
         crate::cluster::start(shared.clone()).await?;
     } else if let Some(doc) = shared.config.load_definitions.clone() {
         // Before any client: what they find is there.
-        let (result, _) = shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |b, fx| {
-            crate::http::definitions::import(b, fx, &doc, None, None)
-        });
-        result.map_err(|why| anyhow::anyhow!("--load-definitions: {why}"))?;
+        let steps = crate::http::definitions::import_steps(&doc, None)
+            .map_err(|why| anyhow::anyhow!("--load-definitions: {why}"))?;
+        let (result, _) = shared.execute(Caller::node(), Cmd::Import(steps));
+        result.map_err(|e| anyhow::anyhow!("--load-definitions: {}", e.detail()))?;
         tracing::info!("definitions loaded");
     }
     serve(listener, shared, shutdown).await
@@ -128,16 +129,11 @@ pub async fn serve(
                 // Expiry and the consumer timeout make replicated changes: the leader's alone
                 // (a follower applies the ops the leader's timers make).
                 let leads = shared.serves_clients();
-                shared.execute(Caller::Timer, &mut Vec::new(), |broker, fx| {
-                    if leads {
-                        broker.expire(fx);
-                    }
-                    broker.release_written();
-                    broker.retry_reads(fx);
-                    if let (Some(t), true) = (timeout, leads) {
-                        broker.enforce_ack_timeout(t.as_millis() as u64, fx);
-                    }
-                });
+                let tick = Cmd::Tick {
+                    lead: leads,
+                    ack_timeout_ms: timeout.map(|t| t.as_millis() as u64),
+                };
+                let _ = shared.execute(Caller::node(), tick);
             }
         }
     });

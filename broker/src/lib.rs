@@ -11,6 +11,7 @@
 
 mod apply;
 pub mod args;
+pub mod cmd;
 pub mod deadletter;
 pub mod exchange;
 pub mod headers;

@@ -97,6 +97,14 @@ impl AmqpError {
         }
     }
 
+    /// The text without the reply code's name ("PRECONDITION_FAILED - ").
+    pub fn detail(&self) -> &str {
+        match self.text.split_once(" - ") {
+            Some((name, rest)) if name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_') => rest,
+            _ => self.text.as_str(),
+        }
+    }
+
     /// An error that closes the connection whatever its code (e.g. 403 on login).
     pub fn connection(code: ReplyCode, detail: impl fmt::Display) -> Self {
         AmqpError {

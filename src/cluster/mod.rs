@@ -840,8 +840,16 @@ fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
     // start; here only a leader can change anything).
     if let Some(doc) = &shared.config.load_definitions {
         if !rep.definitions_loaded.swap(true, Ordering::AcqRel) {
-            match crate::http::definitions::import(&mut broker, &mut fx, doc, None, None) {
-                Ok(()) => info!("definitions loaded"),
+            let grant = crate::broker::cmd::Grant::default();
+            let who = crate::broker::cmd::Who::node(&grant);
+            let imported = crate::http::definitions::import_steps(doc, None).and_then(|steps| {
+                let cmd = crate::broker::cmd::Cmd::Import(steps);
+                broker
+                    .execute(&who, cmd, &mut fx)
+                    .map_err(|e| e.detail().to_string())
+            });
+            match imported {
+                Ok(_) => info!("definitions loaded"),
                 Err(why) => error!(%why, "--load-definitions"),
             }
         }

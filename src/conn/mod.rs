@@ -3,6 +3,7 @@
 
 pub mod session;
 
+use crate::broker::cmd::{Cmd, Outcome};
 use crate::broker::DELIVERY_BUDGET;
 use crate::node::Shared;
 use crate::outbox::Outbox;
@@ -270,12 +271,13 @@ async fn read_loop(
                 let notified = drained.notified();
                 tokio::pin!(notified);
                 notified.as_mut().enable();
-                let conn = session.conn;
-                let (holding, _) =
-                    shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |broker, _| {
-                        broker.holding(conn, &hold)
-                    });
-                if !holding {
+                let caller = crate::node::Caller::Node {
+                    conn: session.conn,
+                    outbox: None,
+                };
+                let queues = hold.clone();
+                let (holding, _) = shared.execute(caller, Cmd::Holding { queues });
+                if !matches!(holding, Ok(Outcome::Holding(true))) {
                     break;
                 }
                 tokio::select! {
@@ -477,13 +479,13 @@ fn refill(shared: &Shared, outbox: &Outbox) {
     if conn == 0 {
         return;
     }
-    shared.execute(crate::node::Caller::Timer, &mut Vec::new(), |broker, fx| {
-        // Deliveries are only pushed with the broker lock held, so "empty" is exact here.
-        if outbox.is_empty() {
-            outbox.throttled.store(false, Ordering::Release);
-            broker.refill(conn, DELIVERY_BUDGET as usize, fx);
-        }
-    });
+    // The node refills only an empty outbox, and clears its `throttled` mark.
+    let caller = crate::node::Caller::Node {
+        conn,
+        outbox: Some(outbox),
+    };
+    let budget = DELIVERY_BUDGET as usize;
+    let _ = shared.execute(caller, Cmd::Refill { budget });
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! The protocol state of one connection: handshake, channels, and the one exhaustive dispatch
 //! from a frame to the handler for its class and method (`crate::handlers`, one file per class).
 
-use crate::broker::permissions::{Access, Permissions, Resource, TopicPermissions};
-use crate::broker::{Broker, ConnId, Effect};
+use crate::broker::cmd::{Cmd, Grant, Outcome, Via, Who};
+use crate::broker::{ConnId, Effect};
 use crate::commit::Done;
 use crate::node::{Caller, Shared};
 use crate::outbox::Outbox;
@@ -158,147 +158,41 @@ pub struct Session {
     pub(crate) grant: Grant,
 }
 
-/// The name permissions see for an exchange: the default exchange ("") is `amq.default`, as
-/// in RabbitMQ.
-pub(crate) fn exchange_or_default(name: &str) -> &str {
-    if name.is_empty() {
-        "amq.default"
-    } else {
-        name
-    }
-}
-
-/// A connection's copy of its user's permissions in its vhost, looked up again whenever the
-/// broker's permissions changed (so a change applies to open connections at their next
-/// method; RabbitMQ caches checks per channel). Checked inside the core call that makes the
-/// change, so the check and the change see the same state.
-#[derive(Debug, Default)]
-pub(crate) struct Grant(std::cell::RefCell<Option<Granted>>);
-
-/// What `Grant` keeps: the broker's permissions generation it was read at, the permissions,
-/// and the topic permissions by exchange.
-type Granted = (
-    u64,
-    Option<Arc<Permissions>>,
-    Vec<(String, Arc<TopicPermissions>)>,
-);
-
-impl Grant {
-    /// The cached grant, read again from `b` when the permissions changed.
-    fn current(
-        &self,
-        b: &Broker,
-        user: &str,
-        vhost: &str,
-    ) -> std::cell::RefMut<'_, Option<Granted>> {
-        let generation = b.permissions_generation();
-        let mut cached = self.0.borrow_mut();
-        if !matches!(&*cached, Some((g, _, _)) if *g == generation) {
-            *cached = Some((
-                generation,
-                b.permissions(user, vhost),
-                b.topic_permissions(user, vhost),
-            ));
-        }
-        cached
+impl Session {
+    /// Hand `cmd` to the node's one entry point as this connection (its user, vhost and
+    /// permissions; its replies to its outbox). The commit ticket of the durable changes it
+    /// made is left in `ctx.last_ticket` (None when there were none).
+    pub(crate) fn run(&mut self, cmd: Cmd) -> Result<Outcome, AmqpError> {
+        self.run_as(self.conn, cmd, None)
     }
 
-    /// The topic permission check of a publish (write) or a binding (read) with `key` on the
-    /// topic exchange `exchange`: allowed when the user has none for it (RabbitMQ).
-    pub(crate) fn check_topic(
-        &self,
-        b: &Broker,
-        user: &str,
-        vhost: &str,
-        access: Access,
-        exchange: &str,
-        key: &str,
-    ) -> Result<(), AmqpError> {
-        let cached = self.current(b, user, vhost);
-        let Some((_, _, topics)) = &*cached else {
-            return Ok(());
+    /// Like [`Session::run`], for a held reply that also waits for an earlier commit
+    /// (`after`): a tx.commit-ok waits for the publishes the commit routed in earlier calls.
+    pub(crate) fn run_after(&mut self, cmd: Cmd, after: Option<u64>) -> Result<Outcome, AmqpError> {
+        self.run_as(self.conn, cmd, after)
+    }
+
+    fn run_as(&mut self, conn: ConnId, cmd: Cmd, after: Option<u64>) -> Result<Outcome, AmqpError> {
+        let who = Who {
+            via: Via::Client,
+            conn,
+            user: &self.user,
+            vhost: &self.vhost,
+            grant: &self.grant,
         };
-        let Some((_, t)) = topics.iter().find(|(x, _)| x == exchange) else {
-            return Ok(());
+        // Borrowed apart: `execute` clones the sender once (the committer keeps it per batch).
+        let CoreCtx { fx, notify, .. } = &mut self.ctx;
+        let caller = Caller::Conn {
+            who,
+            outbox: &self.outbox,
+            notify,
+            fx,
+            after,
         };
-        if t.allows(access, key) || !b.is_topic_exchange(vhost, exchange) {
-            return Ok(());
-        }
-        Err(AmqpError::access_refused(
-            crate::broker::permissions::topic_refusal(key, exchange, vhost, user),
-        ))
+        let (r, ticket) = self.shared.execute(caller, cmd);
+        self.ctx.last_ticket = ticket;
+        r
     }
-    /// Whether `user` may have `access` to the queue or exchange `name` in `vhost`, by
-    /// RabbitMQ's access-control table; else its 403 ACCESS_REFUSED (a channel error).
-    pub(crate) fn check(
-        &self,
-        b: &Broker,
-        user: &str,
-        vhost: &str,
-        access: Access,
-        resource: Resource,
-        name: &str,
-    ) -> Result<(), AmqpError> {
-        let perms = self
-            .current(b, user, vhost)
-            .as_ref()
-            .and_then(|(_, p, _)| p.clone());
-        if perms.is_some_and(|p| p.allows(access, name)) {
-            return Ok(());
-        }
-        Err(AmqpError::access_refused(
-            crate::broker::permissions::refusal(resource, name, vhost, user),
-        ))
-    }
-}
-
-/// Run `f` on the broker core with the lock held, then carry out its effects before releasing
-/// the lock (replies pushed by `f` therefore precede the deliveries it caused).
-///
-/// Durable changes go to the committer before the lock is released; their ticket is left in
-/// `ctx.last_ticket` (None when there were none).
-pub(crate) fn core<R>(
-    shared: &Shared,
-    ctx: &mut CoreCtx,
-    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
-) -> R {
-    // Borrowed apart: `execute` clones the sender once (the committer keeps it per batch).
-    let CoreCtx { fx, notify, .. } = ctx;
-    let (r, ticket) = shared.execute(Caller::Conn { notify }, fx, f);
-    ctx.last_ticket = ticket;
-    r
-}
-
-/// Like [`core`], for methods whose reply must not reach the client before the change is on
-/// disk (durable declarations, bindings, deletions): the reply is held in the outbox until the
-/// commit is done.
-pub(crate) fn core_durable<R>(
-    shared: &Shared,
-    ctx: &mut CoreCtx,
-    outbox: &Outbox,
-    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
-) -> R {
-    core_durable_after(shared, ctx, outbox, None, f)
-}
-
-/// Like [`core_durable`], for a reply that also waits for an earlier commit (`after`): a
-/// tx.commit-ok waits for the publishes the commit routed in earlier calls.
-pub(crate) fn core_durable_after<R>(
-    shared: &Shared,
-    ctx: &mut CoreCtx,
-    outbox: &Outbox,
-    after: Option<u64>,
-    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> R,
-) -> R {
-    let CoreCtx { fx, notify, .. } = ctx;
-    let caller = Caller::Reply {
-        notify,
-        outbox,
-        after,
-    };
-    let (r, ticket) = shared.execute(caller, fx, f);
-    ctx.last_ticket = ticket;
-    r
 }
 
 impl Session {
@@ -604,20 +498,15 @@ impl Session {
         let conn = self.conn;
         self.conn = 0;
         self.outbox.conn_id.store(0, Ordering::Release);
-        core(&self.shared, &mut self.ctx, |b, fx| {
-            b.connection_close(conn, fx);
-            // Remove the outbox while the broker lock is held: nothing can route to us after.
-            self.shared.outboxes.write().remove(&conn);
-        });
+        // The node removes the outbox while the broker lock is held: nothing can route to us
+        // after.
+        let _ = self.run_as(conn, Cmd::CloseConnection, None);
         self.channels.clear();
     }
 
     /// Drop a channel's broker-side state (consumers, unacked messages back to their queues).
     pub(crate) fn close_channel_state(&mut self, ch: u16) {
-        let conn = self.conn;
-        core(&self.shared, &mut self.ctx, |b, fx| {
-            b.channel_close(conn, ch, fx)
-        });
+        let _ = self.run(Cmd::CloseChannel { ch });
         if let Some(chan) = self.channels.get_mut(&ch) {
             chan.content.reset();
             chan.tx = None;

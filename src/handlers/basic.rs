@@ -1,42 +1,31 @@
 //! basic class: qos, consume, cancel, publish (and the content it carries), get, ack, reject,
 //! nack, recover.
 
-use crate::broker::permissions::{Access, Resource};
+use crate::broker::cmd::{Cmd, Outcome};
 use crate::broker::Message;
-use crate::conn::session::{core, exchange_or_default, Session, TxAck};
+use crate::conn::session::{Session, TxAck};
 use amq_protocol::protocol::basic::{self, AMQPMethod as M};
-use amq_protocol::protocol::AMQPClass;
 use std::sync::Arc;
-use warren_protocol::{AmqpError, Content, ReplyCode};
+use warren_protocol::{AmqpError, Content};
 
 impl Session {
     pub(crate) fn basic_class(&mut self, ch: u16, m: M) -> Result<(), AmqpError> {
         match m {
-            M::Qos(q) => {
-                let conn = self.conn;
-                core(&self.shared, &mut self.ctx, |b, fx| {
-                    b.qos(conn, ch, q.prefetch_count, q.global, fx);
-                    self.outbox
-                        .method(ch, &AMQPClass::Basic(M::QosOk(basic::QosOk {})));
-                });
-                Ok(())
-            }
+            M::Qos(q) => self
+                .run(Cmd::Qos {
+                    ch,
+                    prefetch_count: q.prefetch_count,
+                    global: q.global,
+                })
+                .map(drop),
             M::Consume(c) => self.basic_consume(ch, c),
-            M::Cancel(c) => {
-                let conn = self.conn;
-                core(&self.shared, &mut self.ctx, |b, fx| {
-                    b.cancel(conn, ch, c.consumer_tag.as_str(), fx);
-                    if !c.nowait {
-                        self.outbox.method(
-                            ch,
-                            &AMQPClass::Basic(M::CancelOk(basic::CancelOk {
-                                consumer_tag: c.consumer_tag.clone(),
-                            })),
-                        );
-                    }
-                });
-                Ok(())
-            }
+            M::Cancel(c) => self
+                .run(Cmd::Cancel {
+                    ch,
+                    tag: c.consumer_tag.to_string(),
+                    nowait: c.nowait,
+                })
+                .map(drop),
             M::Publish(p) => {
                 if p.immediate {
                     return Err(AmqpError::not_implemented("immediate=true"));
@@ -84,82 +73,34 @@ impl Session {
 
     fn basic_consume(&mut self, ch: u16, c: basic::Consume) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, c.queue.as_str())?;
-        let conn = self.conn;
-        core(&self.shared, &mut self.ctx, |b, fx| {
-            // Direct reply-to is no queue of the vhost: RabbitMQ checks nothing there.
-            if queue != crate::broker::REPLY_TO {
-                let (user, vhost) = (&self.user, &self.vhost);
-                self.grant
-                    .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
-            }
-            // Deliveries the subscription causes land in `fx` and go out after consume-ok.
-            let tag = b.consume(
-                conn,
-                ch,
-                &self.vhost,
-                &queue,
-                c.consumer_tag.as_str(),
-                c.no_ack,
-                c.exclusive,
-                &c.arguments,
-                fx,
-            )?;
-            if !c.nowait {
-                self.outbox.method(
-                    ch,
-                    &AMQPClass::Basic(M::ConsumeOk(basic::ConsumeOk {
-                        consumer_tag: warren_protocol::short(&tag),
-                    })),
-                );
-            }
-            Ok(())
+        self.run(Cmd::Consume {
+            ch,
+            queue,
+            tag: c.consumer_tag.to_string(),
+            no_ack: c.no_ack,
+            exclusive: c.exclusive,
+            arguments: c.arguments,
+            nowait: c.nowait,
         })
+        .map(drop)
     }
 
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
-        let conn = self.conn;
         // A head paged out is read with the broker lock released first (issue 13 point 5):
         // the get hands back the read it needs instead of getting, and is tried again once it
         // is done; a few times at most, as consumers may take what was read: the last try
         // reads for itself.
         for attempt in 0..4 {
-            let read = core(&self.shared, &mut self.ctx, |b, _| {
-                let (user, vhost) = (&self.user, &self.vhost);
-                self.grant
-                    .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
-                if attempt < 3 {
-                    if let Some(read) = b.head_read_request(conn, vhost, &queue) {
-                        return Ok(Some(read));
-                    }
-                }
-                match b.get(conn, ch, vhost, &queue, g.no_ack)? {
-                    Some(r) => {
-                        if let Some(rep) = &self.shared.replication {
-                            // Not before the cluster has it (see `QueuedMessage::batch`).
-                            rep.hold_delivery(conn, &self.outbox, r.batch);
-                        }
-                        self.outbox.method_with_content(
-                            ch,
-                            &AMQPClass::Basic(M::GetOk(basic::GetOk {
-                                delivery_tag: r.delivery_tag,
-                                redelivered: r.redelivered,
-                                exchange: warren_protocol::short(&r.msg.exchange),
-                                routing_key: warren_protocol::short(&r.msg.routing_key),
-                                message_count: r.message_count,
-                            })),
-                            &r.msg,
-                        )
-                    }
-                    None => self
-                        .outbox
-                        .method(ch, &AMQPClass::Basic(M::GetEmpty(basic::GetEmpty {}))),
-                }
-                Ok(None)
+            let got = self.run(Cmd::Get {
+                ch,
+                queue: queue.clone(),
+                no_ack: g.no_ack,
+                read_first: attempt < 3,
             })?;
-            match read {
-                Some(read) => self.shared.carry_out_reads(vec![read]),
-                None => break,
+            match got {
+                Outcome::Read(read) => self.shared.carry_out_reads(vec![read]),
+                _ => break,
             }
         }
         Ok(())
@@ -168,7 +109,6 @@ impl Session {
     fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
         if self.chan(ch)?.tx.is_some() {
             // Checked now, settled at commit (see `Broker::tx_settle`).
-            let conn = self.conn;
             let (tag, multiple, reject) = match ack {
                 TxAck::Ack { tag, multiple } => (tag, multiple, None),
                 TxAck::Reject {
@@ -177,23 +117,33 @@ impl Session {
                     requeue,
                 } => (tag, multiple, Some(requeue)),
             };
-            return core(&self.shared, &mut self.ctx, |b, _| {
-                b.tx_settle(conn, ch, tag, multiple, reject)
-            });
+            return self
+                .run(Cmd::Settle {
+                    ch,
+                    tag,
+                    multiple,
+                    reject,
+                })
+                .map(drop);
         }
         self.apply_ack(ch, ack)
     }
 
     pub(crate) fn apply_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
-        let conn = self.conn;
-        core(&self.shared, &mut self.ctx, |b, fx| match ack {
-            TxAck::Ack { tag, multiple } => b.ack(conn, ch, tag, multiple, fx),
+        let cmd = match ack {
+            TxAck::Ack { tag, multiple } => Cmd::Ack { ch, tag, multiple },
             TxAck::Reject {
                 tag,
                 multiple,
                 requeue,
-            } => b.reject(conn, ch, tag, multiple, requeue, fx),
-        })
+            } => Cmd::Reject {
+                ch,
+                tag,
+                multiple,
+                requeue,
+            },
+        };
+        self.run(cmd).map(drop)
     }
 
     fn basic_recover(&mut self, ch: u16, requeue: bool, reply: bool) -> Result<(), AmqpError> {
@@ -201,15 +151,7 @@ impl Session {
             // As RabbitMQ: redelivery to the original consumer is not supported.
             return Err(AmqpError::not_implemented("requeue=false"));
         }
-        let conn = self.conn;
-        core(&self.shared, &mut self.ctx, |b, fx| {
-            b.recover(conn, ch, fx)?;
-            if reply {
-                self.outbox
-                    .method(ch, &AMQPClass::Basic(M::RecoverOk(basic::RecoverOk {})));
-            }
-            Ok(())
-        })
+        self.run(Cmd::Recover { ch, reply }).map(drop)
     }
 
     /// A complete published message: route it now, or keep it for commit in tx mode.
@@ -248,11 +190,13 @@ impl Session {
         let (mut properties, mut raw_properties) = (content.properties, content.raw_properties);
         // Direct reply-to: the request carries this channel's reply address instead.
         if properties.reply_to().as_ref().map(|r| r.as_str()) == Some(crate::broker::REPLY_TO) {
-            let conn = self.conn;
-            let address = core(&self.shared, &mut self.ctx, |b, _| {
-                b.reply_address(conn, ch)
-            })
-            .map_err(|e| e.on(60, 40))?;
+            let address = match self
+                .run(Cmd::ReplyAddress { ch })
+                .map_err(|e| e.on(60, 40))?
+            {
+                Outcome::Address(a) => a,
+                _ => String::new(),
+            };
             properties = properties.with_reply_to(address.as_str().into());
             raw_properties = warren_protocol::codec::encode_properties(&properties);
         }
@@ -267,27 +211,8 @@ impl Session {
         let in_tx = self.chan(ch)?.tx.is_some();
         if in_tx {
             // Errors about the exchange come now, as in RabbitMQ; routing happens at commit.
-            let (user, vhost, grant) = (&self.user, &self.vhost, &self.grant);
-            core(&self.shared, &mut self.ctx, |b, _| {
-                grant.check(
-                    b,
-                    user,
-                    vhost,
-                    Access::Write,
-                    Resource::Exchange,
-                    exchange_or_default(&msg.exchange),
-                )?;
-                grant.check_topic(
-                    b,
-                    user,
-                    vhost,
-                    Access::Write,
-                    &msg.exchange,
-                    &msg.routing_key,
-                )?;
-                b.route(vhost, msg.exchange.as_ref(), &msg).map(|_| ())
-            })
-            .map_err(|e| e.on(60, 40))?;
+            self.run(Cmd::CheckPublish { msg: msg.clone() })
+                .map_err(|e| e.on(60, 40))?;
             if let Some(tx) = self.chan(ch)?.tx.as_mut() {
                 tx.publishes.push((msg, mandatory));
             }
@@ -339,41 +264,21 @@ impl Session {
         mandatory: bool,
         check: bool,
     ) -> Result<(bool, bool, crate::broker::Targets), AmqpError> {
-        core(&self.shared, &mut self.ctx, |b, fx| {
-            if check {
-                let (user, vhost) = (&self.user, &self.vhost);
-                self.grant.check(
-                    b,
-                    user,
-                    vhost,
-                    Access::Write,
-                    Resource::Exchange,
-                    exchange_or_default(&msg.exchange),
-                )?;
-                self.grant.check_topic(
-                    b,
-                    user,
-                    vhost,
-                    Access::Write,
-                    &msg.exchange,
-                    &msg.routing_key,
-                )?;
-            }
-            let outcome = b.publish(&self.vhost, msg.clone(), fx)?;
-            if outcome.routed == 0 && mandatory {
-                self.outbox.method_with_content(
-                    ch,
-                    &AMQPClass::Basic(M::Return(basic::Return {
-                        reply_code: ReplyCode::NoRoute.code(),
-                        reply_text: "NO_ROUTE".into(),
-                        exchange: warren_protocol::short(&msg.exchange),
-                        routing_key: warren_protocol::short(&msg.routing_key),
-                    })),
-                    &msg,
-                );
-            }
-            Ok((outcome.rejected, outcome.staged, outcome.held))
+        let published = self
+            .run(Cmd::Publish {
+                ch,
+                msg,
+                mandatory,
+                check,
+            })
+            .map_err(|e| e.on(60, 40))?;
+        Ok(match published {
+            Outcome::Published {
+                rejected,
+                staged,
+                held,
+            } => (rejected, staged, held),
+            _ => (false, false, Default::default()),
         })
-        .map_err(|e: AmqpError| e.on(60, 40))
     }
 }

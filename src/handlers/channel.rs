@@ -1,6 +1,7 @@
 //! channel class (open, flow, close) and the deprecated access class.
 
-use crate::conn::session::{core, Chan, Session};
+use crate::broker::cmd::Cmd;
+use crate::conn::session::{Chan, Session};
 use amq_protocol::protocol::access;
 use amq_protocol::protocol::channel::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
@@ -17,22 +18,8 @@ impl Session {
             ))
             .on_no_method());
         }
-        let conn = self.conn;
-        let user = &self.user;
-        core(&self.shared, &mut self.ctx, |b, _| {
-            // The user's max-channels counts their channels on every connection; past it the
-            // whole connection closes (RabbitMQ: 530, no method).
-            if let Some(max) = b.user_limit(user, "max-channels") {
-                if b.usage_of(user).1 as u64 >= max {
-                    return Err(AmqpError::not_allowed(format!(
-                        "number of channels opened for user '{user}' has reached the maximum allowed user limit of ({max})"
-                    ))
-                    .on_no_method());
-                }
-            }
-            b.channel_open(conn, ch);
-            Ok(())
-        })?;
+        // The open-ok is written by the node before any frame can follow it on the channel.
+        self.run(Cmd::OpenChannel { ch })?;
         let generation = self.next_generation;
         self.next_generation += 1;
         self.channels.insert(
@@ -42,8 +29,6 @@ impl Session {
                 ..Chan::default()
             },
         );
-        self.outbox
-            .method(ch, &AMQPClass::Channel(M::OpenOk(channel::OpenOk {})));
         Ok(())
     }
 
@@ -52,17 +37,12 @@ impl Session {
             M::Open(_) => Err(AmqpError::channel_error("second 'channel.open' seen")),
             // As RabbitMQ: clients may not pause deliveries with flow (use basic.qos).
             M::Flow(f) if !f.active => Err(AmqpError::not_implemented("active=false")),
-            M::Flow(f) => {
-                let conn = self.conn;
-                core(&self.shared, &mut self.ctx, |b, fx| {
-                    b.flow(conn, ch, f.active, fx);
-                    self.outbox.method(
-                        ch,
-                        &AMQPClass::Channel(M::FlowOk(channel::FlowOk { active: f.active })),
-                    );
-                });
-                Ok(())
-            }
+            M::Flow(f) => self
+                .run(Cmd::Flow {
+                    ch,
+                    active: f.active,
+                })
+                .map(drop),
             // We never send channel.flow, so a flow-ok has nothing to answer; accept it.
             M::FlowOk(_) => Ok(()),
             M::Close(_) => {

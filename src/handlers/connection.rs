@@ -1,12 +1,12 @@
 //! connection class: start / start-ok, tune / tune-ok, open, close, blocked, update-secret.
 
 use crate::auth::login_allowed;
-use crate::conn::session::{core, Next, Phase, Session};
+use crate::broker::cmd::{Cmd, Outcome};
+use crate::conn::session::{Next, Phase, Session};
 use amq_protocol::protocol::connection::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use amq_protocol::types::{AMQPValue, FieldTable, LongString};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use tracing::info;
 use warren_protocol::{AmqpError, Frame, ReplyCode};
 
@@ -328,49 +328,20 @@ impl Session {
 
     fn open(&mut self, m: connection::Open) -> Result<Next, AmqpError> {
         let vhost = m.virtual_host.as_str().to_string();
-        let outbox = self.outbox.clone();
-        let shared = self.shared.clone();
-        let limit = shared.connection_max;
-        let conn = core(&shared, &mut self.ctx, |b, _| {
-            if !b.has_vhost(&vhost) {
-                return Err(format!("vhost {vhost} not found"));
-            }
-            let user = &self.user;
-            if b.permissions(user, &vhost).is_none() {
-                return Err(format!(
-                    "access to vhost '{vhost}' refused for user '{user}'"
-                ));
-            }
-            // Limits, the vhost's first (RabbitMQ's order and texts).
-            if let Some(max) = b.vhost_limit(&vhost, "max-connections") {
-                if b.connections_in(&vhost) as u64 >= max {
-                    return Err(format!(
-                        "access to vhost '{vhost}' refused for user '{user}': connection limit ({max}) is reached"
-                    ));
-                }
-            }
-            if let Some(max) = b.user_limit(user, "max-connections") {
-                if b.usage_of(user).0 as u64 >= max {
-                    return Err(format!(
-                        "connection refused for user '{user}': user connection limit ({max}) is reached"
-                    ));
-                }
-            }
-            // RabbitMQ's connection_max, checked where RabbitMQ checks it.
-            if b.connection_totals().0 >= limit {
-                return Err(format!(
-                    "connection refused: node connection limit ({limit}) is reached"
-                ));
-            }
-            let conn = b.connection_open_for(&vhost, user);
-            shared.outboxes.write().insert(conn, Arc::clone(&outbox));
-            Ok(conn)
+        let opened = self.run(Cmd::OpenConnection {
+            vhost: vhost.clone(),
+            connection_max: self.shared.connection_max,
         });
-        let conn = match conn {
-            Ok(conn) => conn,
-            Err(text) => {
-                info!(%text, "connection.open refused");
-                return Err(AmqpError::connection(ReplyCode::NotAllowed, text).on(10, 40));
+        let conn = match opened {
+            Ok(Outcome::Opened(conn)) => conn,
+            Ok(_) => {
+                return Err(
+                    AmqpError::connection(ReplyCode::InternalError, "no connection id").on(10, 40),
+                )
+            }
+            Err(e) => {
+                info!(text = %e.text, "connection.open refused");
+                return Err(e.on(10, 40));
             }
         };
         self.conn = conn;

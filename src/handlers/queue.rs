@@ -1,10 +1,9 @@
 //! queue class: declare, bind, unbind, purge, delete.
 
-use crate::broker::permissions::{Access, Resource};
+use crate::broker::cmd::{Cmd, Outcome};
 use crate::broker::QueueDeclare;
-use crate::conn::session::{core_durable, exchange_or_default, strip_cr_lf, Session};
+use crate::conn::session::{strip_cr_lf, Session};
 use amq_protocol::protocol::queue::{self, AMQPMethod as M};
-use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
 
 impl Session {
@@ -43,42 +42,23 @@ impl Session {
             }
             M::Purge(p) => {
                 let queue = self.resolve_queue(ch, p.queue.as_str())?;
-                let conn = self.conn;
-                core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-                    let (user, vhost) = (&self.user, &self.vhost);
-                    self.grant
-                        .check(b, user, vhost, Access::Read, Resource::Queue, &queue)?;
-                    let count = b.queue_purge(conn, &self.vhost, &queue, fx)?;
-                    if !p.nowait {
-                        self.outbox.method(
-                            ch,
-                            &AMQPClass::Queue(M::PurgeOk(queue::PurgeOk {
-                                message_count: count,
-                            })),
-                        );
-                    }
-                    Ok(())
+                self.run(Cmd::PurgeQueue {
+                    ch,
+                    queue,
+                    nowait: p.nowait,
                 })
+                .map(drop)
             }
             M::Delete(d) => {
                 let queue = self.resolve_queue(ch, &strip_cr_lf(d.queue.as_str()))?;
-                let conn = self.conn;
-                core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-                    let (user, vhost) = (&self.user, &self.vhost);
-                    self.grant
-                        .check(b, user, vhost, Access::Configure, Resource::Queue, &queue)?;
-                    let count =
-                        b.queue_delete(conn, &self.vhost, &queue, d.if_unused, d.if_empty, fx)?;
-                    if !d.nowait {
-                        self.outbox.method(
-                            ch,
-                            &AMQPClass::Queue(M::DeleteOk(queue::DeleteOk {
-                                message_count: count,
-                            })),
-                        );
-                    }
-                    Ok(())
+                self.run(Cmd::DeleteQueue {
+                    ch,
+                    queue,
+                    if_unused: d.if_unused,
+                    if_empty: d.if_empty,
+                    nowait: d.nowait,
                 })
+                .map(drop)
             }
             M::DeclareOk(_) | M::BindOk(_) | M::PurgeOk(_) | M::DeleteOk(_) | M::UnbindOk(_) => {
                 Err(AmqpError::command_invalid(
@@ -102,52 +82,14 @@ impl Session {
             auto_delete: d.auto_delete,
             arguments: d.arguments,
         };
-        let conn = self.conn;
-        let panic_on = self.shared.config.panic_on_declare.as_deref();
-        let info = core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            if !decl.passive {
-                // RabbitMQ checks the name a server-named queue gets, and for a dead-letter
-                // exchange, reading the queue and writing to the exchange.
-                let name = if decl.name.is_empty() {
-                    b.server_queue_name()
-                } else {
-                    decl.name.clone()
-                };
-                let (user, vhost) = (&self.user, &self.vhost);
-                let exists = b.queue_info(vhost, &name).is_some();
-                let check = |access, resource, name: &str| {
-                    self.grant.check(b, user, vhost, access, resource, name)
-                };
-                check(Access::Configure, Resource::Queue, &name)?;
-                // Checked when the queue is made (a redeclare changes nothing).
-                if !exists {
-                    if let Some(dlx) =
-                        crate::handlers::exchange::dead_letter_exchange(&decl.arguments)
-                    {
-                        check(Access::Read, Resource::Queue, &name)?;
-                        check(Access::Write, Resource::Exchange, exchange_or_default(&dlx))?;
-                    }
-                }
-            }
-            // Test hook (off unless a test sets it): a defect that panics with the broker lock
-            // held, to show the connection task recovers from it (conn::serve).
-            if panic_on == Some(decl.name.as_str()) {
-                panic!("injected panic declaring {}", decl.name);
-            }
-            let info = b.queue_declare(conn, &self.vhost, decl, fx)?;
-            if !d.nowait {
-                self.outbox.method(
-                    ch,
-                    &AMQPClass::Queue(M::DeclareOk(queue::DeclareOk {
-                        queue: warren_protocol::short(&info.name),
-                        message_count: info.message_count,
-                        consumer_count: info.consumer_count,
-                    })),
-                );
-            }
-            Ok::<_, AmqpError>(info)
+        let declared = self.run(Cmd::DeclareQueue {
+            ch,
+            decl,
+            nowait: d.nowait,
         })?;
-        self.chan(ch)?.last_queue = Some(info.name);
+        if let Outcome::Declared(name) = declared {
+            self.chan(ch)?.last_queue = Some(name);
+        }
         Ok(())
     }
 
@@ -162,41 +104,15 @@ impl Session {
         nowait: bool,
         bind: bool,
     ) -> Result<(), AmqpError> {
-        let conn = self.conn;
-        core_durable(&self.shared, &mut self.ctx, &self.outbox, |b, fx| {
-            // Writing to the queue, then reading the exchange (RabbitMQ's order).
-            let (user, vhost) = (&self.user, &self.vhost);
-            self.grant
-                .check(b, user, vhost, Access::Write, Resource::Queue, queue)?;
-            self.grant.check(
-                b,
-                user,
-                vhost,
-                Access::Read,
-                Resource::Exchange,
-                exchange_or_default(exchange),
-            )?;
-            self.grant
-                .check_topic(b, user, vhost, Access::Read, exchange, routing_key)?;
-            b.queue_bind(
-                conn,
-                &self.vhost,
-                queue,
-                exchange,
-                routing_key,
-                arguments,
-                bind,
-                fx,
-            )?;
-            if !nowait {
-                let ok = if bind {
-                    M::BindOk(queue::BindOk {})
-                } else {
-                    M::UnbindOk(queue::UnbindOk {})
-                };
-                self.outbox.method(ch, &AMQPClass::Queue(ok));
-            }
-            Ok(())
+        self.run(Cmd::BindQueue {
+            ch,
+            queue: queue.to_string(),
+            exchange: exchange.to_string(),
+            key: routing_key.to_string(),
+            arguments: arguments.clone(),
+            bind,
+            nowait,
         })
+        .map(drop)
     }
 }

@@ -1,6 +1,7 @@
 //! tx class: select, commit, rollback. Publishes and acks wait in the channel until commit.
 
-use crate::conn::session::{core, core_durable_after, Session, Tx};
+use crate::broker::cmd::Cmd;
+use crate::conn::session::{Session, Tx};
 use amq_protocol::protocol::tx::{self, AMQPMethod as M};
 use amq_protocol::protocol::AMQPClass;
 use warren_protocol::AmqpError;
@@ -32,22 +33,11 @@ impl Session {
                     let _ = self.route_message(ch, msg, mandatory, false)?;
                     routed = routed.max(self.ctx.last_ticket);
                 }
-                let conn = self.conn;
-                let outbox = self.outbox.clone();
-                core_durable_after(&self.shared, &mut self.ctx, &outbox, routed, |b, fx| {
-                    b.tx_commit(conn, ch, fx)?;
-                    outbox.method(ch, &AMQPClass::Tx(M::CommitOk(tx::CommitOk {})));
-                    Ok::<(), AmqpError>(())
-                })?;
-                Ok(())
+                self.run_after(Cmd::TxCommit { ch }, routed).map(drop)
             }
             M::Rollback(_) => {
                 self.take_tx(ch)?;
-                let conn = self.conn;
-                core(&self.shared, &mut self.ctx, |b, _| b.tx_rollback(conn, ch))?;
-                self.outbox
-                    .method(ch, &AMQPClass::Tx(M::RollbackOk(tx::RollbackOk {})));
-                Ok(())
+                self.run(Cmd::TxRollback { ch }).map(drop)
             }
             M::SelectOk(_) | M::CommitOk(_) | M::RollbackOk(_) => Err(AmqpError::command_invalid(
                 "tx *-ok methods are server methods",

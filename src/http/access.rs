@@ -7,15 +7,12 @@
 //! as AMQP methods of the user, so the access-control table applies to administrators too).
 
 use super::Login;
-use crate::broker::permissions::{refusal, Access, Resource};
-use crate::broker::Broker;
 use crate::node::Shared;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 use std::collections::BTreeSet;
-use warren_protocol::reply::AmqpError;
 
 /// What one logged-in user may see.
 pub(super) struct Viewer {
@@ -101,28 +98,5 @@ pub(super) fn path_vhost(path: &str) -> Option<String> {
                 .map(|s| s.into_owned())
         }
         _ => None,
-    }
-}
-
-/// The permission check of an AMQP method, for the same change made through the API (inside
-/// the core call that makes it, so both see the same state): 401 `Access refused.` otherwise.
-pub(super) fn permit(
-    b: &Broker,
-    user: &str,
-    vhost: &str,
-    access: Access,
-    resource: Resource,
-    name: &str,
-) -> Result<(), AmqpError> {
-    let name = if name.is_empty() && resource == Resource::Exchange {
-        "amq.default"
-    } else {
-        name
-    };
-    match b.permissions(user, vhost) {
-        Some(p) if p.allows(access, name) => Ok(()),
-        _ => Err(AmqpError::access_refused(refusal(
-            resource, name, vhost, user,
-        ))),
     }
 }

@@ -1,34 +1,39 @@
 //! `/api/bindings` (list, show, add, delete bindings, named by RabbitMQ's `properties_key`)
 //! and a queue's bindings, `/api/queues/{vhost}/{name}/bindings`.
 
-use super::access::{permit, Viewer};
+use super::access::Viewer;
 use super::json::{arguments, body_object, table_json};
 use super::{bad_request, change, in_vhost, no_content, not_found, Api, Login};
-use crate::broker::permissions::{Access, Resource};
+use crate::broker::cmd::Cmd;
 use crate::broker::BindingView;
 use crate::node::Shared;
+use amq_protocol::types::FieldTable;
 use axum::extract::{Extension, Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 
 /// RabbitMQ's `properties_key` of a binding, which names it in a path: "~" for an empty
 /// routing key without arguments, the routing key itself, or the key, "~" and a digest of
 /// the arguments.
 fn properties_key(b: &BindingView) -> String {
-    if b.arguments.inner().is_empty() {
-        if b.routing_key.is_empty() {
+    props_key(&b.routing_key, &b.arguments)
+}
+
+/// [`properties_key`] of a binding's routing key and arguments.
+fn props_key(routing_key: &str, arguments: &FieldTable) -> String {
+    if arguments.inner().is_empty() {
+        if routing_key.is_empty() {
             "~".into()
         } else {
-            b.routing_key.clone()
+            routing_key.to_string()
         }
     } else {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        format!("{:?}", b.arguments).hash(&mut h);
-        format!("{}~{:016x}", b.routing_key, h.finish())
+        format!("{arguments:?}").hash(&mut h);
+        format!("{routing_key}~{:016x}", h.finish())
     }
 }
 
@@ -174,17 +179,30 @@ pub(super) async fn add_binding(
     if !binding_ends_exist(&shared, &vhost, &source, to_queue, &dest) {
         return not_found();
     }
-    let result = change(&shared, |b, fx| {
-        binding_permitted(b, &me, &vhost, &source, to_queue, &dest)?;
-        if to_queue {
-            b.queue_bind(0, &vhost, &dest, &source, &routing_key, &args, true, fx)
-        } else {
-            b.exchange_bind(&vhost, &dest, &source, &routing_key, &args, true, fx)
+    let cmd = if to_queue {
+        Cmd::BindQueue {
+            ch: 0,
+            queue: dest.clone(),
+            exchange: source.clone(),
+            key: routing_key.clone(),
+            arguments: args.clone(),
+            bind: true,
+            nowait: true,
         }
-    })
-    .await;
+    } else {
+        Cmd::BindExchange {
+            ch: 0,
+            destination: dest.clone(),
+            source: source.clone(),
+            key: routing_key.clone(),
+            arguments: args.clone(),
+            bind: true,
+            nowait: true,
+        }
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
     match result {
-        Ok(()) => {
+        Ok(_) => {
             let view = BindingView {
                 vhost: vhost.clone(),
                 source,
@@ -213,62 +231,15 @@ pub(super) async fn delete_binding(
     let Some(to_queue) = destination_kind(&kind) else {
         return not_found();
     };
-    let result = change(&shared, |b, fx| {
-        let found = b.binding_views(Some(&vhost)).into_iter().find(|v| {
-            !v.source.is_empty()
-                && v.source == source
-                && v.destination == dest
-                && v.destination_is_queue == to_queue
-                && properties_key(v) == props
-        });
-        let Some(v) = found else {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        };
-        binding_permitted(b, &me, &vhost, &source, to_queue, &dest)?;
-        if to_queue {
-            b.queue_bind(
-                0,
-                &vhost,
-                &dest,
-                &source,
-                &v.routing_key,
-                &v.arguments,
-                false,
-                fx,
-            )
-        } else {
-            b.exchange_bind(
-                &vhost,
-                &dest,
-                &source,
-                &v.routing_key,
-                &v.arguments,
-                false,
-                fx,
-            )
-        }
-    })
-    .await;
-    no_content(result)
-}
-
-/// A binding's permissions, as for queue.bind and exchange.bind: writing to the destination,
-/// then reading the source.
-fn binding_permitted(
-    b: &crate::broker::Broker,
-    me: &str,
-    vhost: &str,
-    source: &str,
-    to_queue: bool,
-    dest: &str,
-) -> Result<(), AmqpError> {
-    let kind = if to_queue {
-        Resource::Queue
-    } else {
-        Resource::Exchange
+    let cmd = Cmd::Unbind {
+        source,
+        destination: dest,
+        to_queue,
+        props,
+        props_key,
     };
-    permit(b, me, vhost, Access::Write, kind, dest)?;
-    permit(b, me, vhost, Access::Read, Resource::Exchange, source)
+    let result = change(&shared, &me, &vhost, cmd).await;
+    no_content(result)
 }
 
 /// Percent-encode a path segment (all but RFC 3986's unreserved characters).

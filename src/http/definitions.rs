@@ -6,10 +6,10 @@
 
 use super::json::{body_object, json_table, table_json};
 use super::users::{is_administrator, not_administrator};
-use super::{bad_request, change, Api, Login};
-use crate::broker::{Broker, Effect, ExchangeDeclare, QueueDeclare};
+use super::{bad_request, change, no_content, Api, ChangeError, Login};
+use crate::broker::cmd::{Cmd, ImportStep};
+use crate::broker::{Broker, ExchangeDeclare, QueueDeclare};
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
@@ -262,19 +262,16 @@ fn arguments(m: &Map<String, Value>) -> Result<amq_protocol::types::FieldTable, 
 
 /// Import `doc` into the broker: users, vhosts, permissions, exchanges, queues, bindings, in
 /// that order (RabbitMQ's); into vhost `only` when given (then only its exchanges, queues and
-/// bindings, whose entries name no vhost). `creator` (the API's caller) gets full permissions
-/// on the vhosts the import creates, as creating one through the API gives. As RabbitMQ 3.10
-/// does, a queue or exchange not equivalent to the one there is left as it is, and a binding
+/// bindings, whose entries name no vhost); the importing user gets no permissions of their
+/// own (RabbitMQ). Parsed first: a malformed document changes nothing. As RabbitMQ 3.10 does, a queue or exchange not equivalent to the one there is left as it is, and a binding
 /// whose end is missing is left out (each logged); anything else refused stops the import,
 /// with why, and what came before it stays.
-pub(crate) fn import(
-    b: &mut Broker,
-    fx: &mut Vec<Effect>,
+pub(crate) fn import_steps(
     doc: &Map<String, Value>,
-    creator: Option<&str>,
     only: Option<&str>,
-) -> Result<(), String> {
-    let refused = |what: String| move |e: AmqpError| format!("{what}: {}", e.text);
+) -> Result<Vec<ImportStep>, String> {
+    let mut steps = Vec::new();
+    let op = |op: Op, what: String| ImportStep::Op { op, what };
     if only.is_none() {
         for u in list(doc, "users")? {
             let u = object(u, "users")?;
@@ -295,19 +292,19 @@ pub(crate) fn import(
                 (None, None) => String::new(),
             };
             let tags = tags(u.get("tags"))?;
-            let op = Op::PutUser {
+            let put = Op::PutUser {
                 name: name.clone(),
                 password_hash,
                 tags,
             };
-            b.apply(&op, fx).map_err(refused(format!("user {name}")))?;
+            steps.push(op(put, format!("user {name}")));
             if let Some(l) = u.get("limits").filter(|l| !l.is_null()) {
                 let limits = limit_list(l).map_err(|e| format!("user {name}: {e}"))?;
-                let op = Op::PutUserLimits {
+                let put = Op::PutUserLimits {
                     user: name.clone(),
                     limits,
                 };
-                b.apply(&op, fx).map_err(refused(format!("user {name}")))?;
+                steps.push(op(put, format!("user {name}")));
             }
         }
         for v in list(doc, "vhosts")? {
@@ -324,24 +321,12 @@ pub(crate) fn import(
                 Some(t) if !t.is_null() => tags(Some(t))?,
                 _ => tags(meta.and_then(|m| m.get("tags")))?,
             };
-            let existed = b.has_vhost(&name);
-            let op = Op::PutVhost {
+            let put = Op::PutVhost {
                 name: name.clone(),
                 description,
                 tags,
             };
-            b.apply(&op, fx).map_err(refused(format!("vhost {name}")))?;
-            if let (false, Some(me)) = (existed, creator) {
-                let grant = Op::SetPermissions {
-                    user: me.to_string(),
-                    vhost: name.clone(),
-                    configure: ".*".into(),
-                    write: ".*".into(),
-                    read: ".*".into(),
-                };
-                b.apply(&grant, fx)
-                    .map_err(refused(format!("vhost {name}")))?;
-            }
+            steps.push(op(put, format!("vhost {name}")));
         }
         for p in list(doc, "permissions")? {
             let p = object(p, "permissions")?;
@@ -361,33 +346,31 @@ pub(crate) fn import(
                 exprs.push(e);
             }
             let [configure, write, read] = <[String; 3]>::try_from(exprs).unwrap_or_default();
-            let op = Op::SetPermissions {
-                user: user.clone(),
-                vhost: vhost.clone(),
+            let what = format!("permission of {user} in {vhost}");
+            let set = Op::SetPermissions {
+                user,
+                vhost,
                 configure,
                 write,
                 read,
             };
-            b.apply(&op, fx)
-                .map_err(refused(format!("permission of {user} in {vhost}")))?;
+            steps.push(op(set, what));
         }
-    }
-    if only.is_none() {
         for p in list(doc, "topic_permissions")? {
             let p = object(p, "topic_permissions")?;
             let (user, vhost) = (
                 string(p, "user", "topic permission")?,
                 string(p, "vhost", "topic permission")?,
             );
-            let op = Op::SetTopicPermissions {
-                user: user.clone(),
-                vhost: vhost.clone(),
+            let what = format!("topic permission of {user} in {vhost}");
+            let set = Op::SetTopicPermissions {
+                user,
+                vhost,
                 exchange: string(p, "exchange", "topic permission")?,
                 write: string(p, "write", "topic permission")?,
                 read: string(p, "read", "topic permission")?,
             };
-            b.apply(&op, fx)
-                .map_err(refused(format!("topic permission of {user} in {vhost}")))?;
+            steps.push(op(set, what));
         }
     }
     // Vhost limits, RabbitMQ's "vhost-limits" runtime parameters (other parameters are not
@@ -403,14 +386,8 @@ pub(crate) fn import(
         };
         let limits = limit_list(p.get("value").unwrap_or(&Value::Null))
             .map_err(|e| format!("limits of vhost {vhost}: {e}"))?;
-        b.apply(
-            &Op::PutVhostLimits {
-                vhost: vhost.clone(),
-                limits,
-            },
-            fx,
-        )
-        .map_err(refused(format!("limits of vhost {vhost}")))?;
+        let what = format!("limits of vhost {vhost}");
+        steps.push(op(Op::PutVhostLimits { vhost, limits }, what));
     }
     let vhost_of = |m: &Map<String, Value>, what: &str| -> Result<String, String> {
         match only {
@@ -425,7 +402,7 @@ pub(crate) fn import(
             continue;
         }
         let decl = ExchangeDeclare {
-            name: name.clone(),
+            name,
             kind: optional_string(x, "type")?.unwrap_or_else(|| "direct".into()),
             passive: false,
             durable: boolean(x, "durable")?,
@@ -433,65 +410,47 @@ pub(crate) fn import(
             internal: boolean(x, "internal")?,
             arguments: arguments(x)?,
         };
-        match b.exchange_declare(&vhost, decl, fx) {
-            Err(e) if e.code == ReplyCode::PreconditionFailed => {
-                tracing::warn!(exchange = %name, vhost = %vhost, reason = %e.text, "definitions: an exchange not equivalent to the one there is left as it is");
-            }
-            r => r.map_err(refused(format!("exchange {name} in vhost {vhost}")))?,
-        }
+        steps.push(ImportStep::Exchange { vhost, decl });
     }
     for q in list(doc, "queues")? {
         let q = object(q, "queues")?;
         let (name, vhost) = (string(q, "name", "queue")?, vhost_of(q, "queue")?);
         let decl = QueueDeclare {
-            name: name.clone(),
+            name,
             passive: false,
             durable: boolean(q, "durable")?,
             exclusive: false,
             auto_delete: boolean(q, "auto_delete")?,
             arguments: arguments(q)?,
         };
-        match b.queue_declare(0, &vhost, decl, fx) {
-            Err(e) if e.code == ReplyCode::PreconditionFailed => {
-                tracing::warn!(queue = %name, vhost = %vhost, reason = %e.text, "definitions: a queue not equivalent to the one there is left as it is");
-            }
-            r => r
-                .map(|_| ())
-                .map_err(refused(format!("queue {name} in vhost {vhost}")))?,
-        }
+        steps.push(ImportStep::Queue { vhost, decl });
     }
     for x in list(doc, "bindings")? {
         let x = object(x, "bindings")?;
         let vhost = vhost_of(x, "binding")?;
         let source = string(x, "source", "binding")?;
         let destination = string(x, "destination", "binding")?;
-        let routing_key = optional_string(x, "routing_key")?.unwrap_or_default();
-        let args = arguments(x)?;
-        let what = format!("binding of {source} to {destination} in vhost {vhost}");
-        let bound = match optional_string(x, "destination_type")?.as_deref() {
-            Some("queue") | None => b.queue_bind(
-                0,
-                &vhost,
-                &destination,
-                &source,
-                &routing_key,
-                &args,
-                true,
-                fx,
-            ),
-            Some("exchange") => {
-                b.exchange_bind(&vhost, &destination, &source, &routing_key, &args, true, fx)
+        let key = optional_string(x, "routing_key")?.unwrap_or_default();
+        let arguments = arguments(x)?;
+        let to_queue = match optional_string(x, "destination_type")?.as_deref() {
+            Some("queue") | None => true,
+            Some("exchange") => false,
+            Some(other) => {
+                return Err(format!(
+                    "binding of {source} to {destination} in vhost {vhost}: unknown destination_type {other}"
+                ))
             }
-            Some(other) => return Err(format!("{what}: unknown destination_type {other}")),
         };
-        match bound {
-            Err(e) if e.code == ReplyCode::NotFound => {
-                tracing::warn!(reason = %e.text, "definitions: {what} left out");
-            }
-            r => r.map_err(refused(what))?,
-        }
+        steps.push(ImportStep::Binding {
+            vhost,
+            source,
+            destination,
+            to_queue,
+            key,
+            arguments,
+        });
     }
-    Ok(())
+    Ok(steps)
 }
 
 async fn export_response(shared: &crate::node::Shared, vhost: Option<&str>) -> Response {
@@ -541,17 +500,15 @@ async fn import_response(
             return super::not_found();
         }
     }
-    let result = change(shared, |b, fx| {
-        // RabbitMQ's import gives the importing user no permissions of its own.
-        let _ = me;
-        import(b, fx, &doc, None, only)
-            .map_err(|why| AmqpError::connection(ReplyCode::PreconditionFailed, why))
-    })
-    .await;
-    match result {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    // RabbitMQ's import gives the importing user no permissions of its own.
+    let steps = match import_steps(&doc, only) {
+        Ok(steps) => steps,
+        Err(why) => {
+            let e = AmqpError::connection(ReplyCode::PreconditionFailed, why);
+            return ChangeError::Refused(e).into_response();
+        }
+    };
+    no_content(change(shared, me, only.unwrap_or(""), Cmd::Import(steps)).await)
 }
 
 /// POST /api/definitions: import (204), or 400 with the first refusal.

@@ -1,9 +1,11 @@
 //! `/api/exchanges`: list, show, declare (PUT) and delete exchanges.
 
-use super::access::{permit, Viewer};
+use super::access::Viewer;
 use super::json::{arguments, body_object, flag, table_json};
-use super::{bad_request, change, in_vhost, no_content, not_found, Api, DeleteQuery, Login};
-use crate::broker::permissions::{Access, Resource};
+use super::{
+    bad_request, change, created, in_vhost, no_content, not_found, Api, DeleteQuery, Login,
+};
+use crate::broker::cmd::Cmd;
 use crate::broker::{ExchangeDeclare, ExchangeView};
 use crate::node::Shared;
 use axum::extract::{Extension, Path, Query, State};
@@ -11,7 +13,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 
 fn exchange_json(x: &ExchangeView) -> Value {
     json!({
@@ -99,28 +100,13 @@ pub(super) async fn put_exchange(
         )
             .into_response();
     }
-    let result = change(&shared, |b, fx| {
-        if !b.has_vhost(&vhost) {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
-        }
-        permit(b, &me, &vhost, Access::Configure, Resource::Exchange, &name)?;
-        if let Some(amq_protocol::types::AMQPValue::LongString(ae)) =
-            declare.arguments.inner().get("alternate-exchange")
-        {
-            // As exchange.declare: reading it, writing to its alternate exchange.
-            let ae = String::from_utf8_lossy(ae.as_bytes());
-            permit(b, &me, &vhost, Access::Read, Resource::Exchange, &name)?;
-            permit(b, &me, &vhost, Access::Write, Resource::Exchange, &ae)?;
-        }
-        let existed = b.exchange_exists(&vhost, &name);
-        b.exchange_declare(&vhost, declare, fx).map(|_| existed)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let cmd = Cmd::DeclareExchange {
+        ch: 0,
+        decl: declare,
+        nowait: true,
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
+    created(result)
 }
 
 /// DELETE /api/exchanges/{vhost}/{name} (`?if-unused=true`).
@@ -130,18 +116,12 @@ pub(super) async fn delete_exchange(
     Path((vhost, name)): Path<(String, String)>,
     Query(query): Query<DeleteQuery>,
 ) -> Response {
-    let result = change(&shared, |b, fx| {
-        if !b.exchange_exists(&vhost, &name) {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        permit(b, &me, &vhost, Access::Configure, Resource::Exchange, &name)?;
-        b.exchange_delete(
-            &vhost,
-            &name,
-            query.if_unused.as_deref() == Some("true"),
-            fx,
-        )
-    })
-    .await;
+    let cmd = Cmd::DeleteExchange {
+        ch: 0,
+        name,
+        if_unused: query.if_unused.as_deref() == Some("true"),
+        nowait: true,
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
     no_content(result)
 }

@@ -8,13 +8,11 @@
 use super::json::body_object;
 use super::users::{is_administrator, not_administrator};
 use super::{bad_request, change, not_found, Api, Login};
+use crate::broker::cmd::Cmd;
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
-use warren_storage::Op;
 
 const VHOST_LIMITS: [&str; 2] = ["max-connections", "max-queues"];
 const USER_LIMITS: [&str; 2] = ["max-connections", "max-channels"];
@@ -97,45 +95,16 @@ fn value_of(body: &axum::body::Bytes, name: &str) -> Result<i64, String> {
     }
 }
 
-/// The limits after setting (`Some`) or removing (`None`) `name`.
-fn with(current: Vec<(String, i64)>, name: &str, value: Option<i64>) -> Vec<(String, i64)> {
-    let mut out: Vec<(String, i64)> = current.into_iter().filter(|(k, _)| k != name).collect();
-    if let Some(v) = value {
-        out.push((name.to_string(), v));
-        out.sort();
-    }
-    out
-}
-
-fn current(list: Vec<(String, Vec<(String, i64)>)>, name: &str) -> Vec<(String, i64)> {
-    list.into_iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, l)| l)
-        .unwrap_or_default()
-}
-
 /// PUT/DELETE /api/vhost-limits/{vhost}/{name}: 204.
 async fn change_vhost_limit(
     shared: &std::sync::Arc<crate::node::Shared>,
+    me: &str,
     vhost: String,
     name: String,
     value: Option<i64>,
 ) -> Response {
-    let result = change(shared, |b, fx| {
-        if !b.has_vhost(&vhost) {
-            return Err(AmqpError::connection(
-                ReplyCode::NotFound,
-                "vhost_not_found",
-            ));
-        }
-        let limits = with(current(b.vhost_limits(), &vhost), &name, value);
-        b.apply(&Op::PutVhostLimits { vhost, limits }, fx)
-    })
-    .await;
-    match result {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(shared, me, "", Cmd::VhostLimit { vhost, name, value }).await;
+    super::no_content(result)
 }
 
 pub(super) async fn put_vhost_limit(
@@ -156,7 +125,7 @@ pub(super) async fn put_vhost_limit(
             "Validation failed\n\nUnrecognised terms [{{<<\"{name}\">>,{value}}}] in limits\n"
         ));
     }
-    change_vhost_limit(&shared, vhost, name, Some(value)).await
+    change_vhost_limit(&shared, &me, vhost, name, Some(value)).await
 }
 
 pub(super) async fn delete_vhost_limit(
@@ -167,30 +136,18 @@ pub(super) async fn delete_vhost_limit(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    change_vhost_limit(&shared, vhost, name, None).await
+    change_vhost_limit(&shared, &me, vhost, name, None).await
 }
 
 async fn change_user_limit(
     shared: &std::sync::Arc<crate::node::Shared>,
+    me: &str,
     user: String,
     name: String,
     value: Option<i64>,
 ) -> Response {
-    let result = change(shared, |b, fx| {
-        if b.user(&user).is_none() {
-            return Err(AmqpError::connection(
-                ReplyCode::PreconditionFailed,
-                "no_such_user",
-            ));
-        }
-        let limits = with(current(b.user_limits(), &user), &name, value);
-        b.apply(&Op::PutUserLimits { user, limits }, fx)
-    })
-    .await;
-    match result {
-        Ok(()) => StatusCode::NO_CONTENT.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(shared, me, "", Cmd::UserLimit { user, name, value }).await;
+    super::no_content(result)
 }
 
 pub(super) async fn put_user_limit(
@@ -211,7 +168,7 @@ pub(super) async fn put_user_limit(
             "Unrecognised terms [{{<<\"{name}\">>,{value}}}] in user-limits"
         ));
     }
-    change_user_limit(&shared, user, name, Some(value)).await
+    change_user_limit(&shared, &me, user, name, Some(value)).await
 }
 
 pub(super) async fn delete_user_limit(
@@ -222,5 +179,5 @@ pub(super) async fn delete_user_limit(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    change_user_limit(&shared, user, name, None).await
+    change_user_limit(&shared, &me, user, name, None).await
 }

@@ -26,7 +26,7 @@ mod users;
 mod vhosts;
 mod whoami;
 
-use crate::broker::{Broker, Effect};
+use crate::broker::cmd::{Cmd, Outcome};
 use crate::node::Shared;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -449,18 +449,22 @@ fn node_name() -> String {
     format!("warren@{host}")
 }
 
-/// Run `f` on the broker core as a connection-less administrator, carry out its effects, and
-/// wait until the durable changes it made are in the store (as AMQP's declare-ok does).
-async fn change<R>(
+/// Hand `cmd` to the node's one entry point for the logged-in `user`, in `vhost` ("" when
+/// none is concerned), and wait until the durable changes it made are in the store (as AMQP's
+/// declare-ok does).
+async fn change(
     shared: &Arc<Shared>,
-    f: impl FnOnce(&mut Broker, &mut Vec<Effect>) -> Result<R, AmqpError>,
-) -> Result<R, ChangeError> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let (result, ticket) = shared.execute(
-        crate::node::Caller::Admin { notify: tx },
-        &mut Vec::new(),
-        f,
-    );
+    user: &str,
+    vhost: &str,
+    cmd: Cmd,
+) -> Result<Outcome, ChangeError> {
+    let (notify, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let caller = crate::node::Caller::Admin {
+        user,
+        vhost,
+        notify,
+    };
+    let (result, ticket) = shared.execute(caller, cmd);
     let result = result.map_err(ChangeError::Refused)?;
     if let Some(ticket) = ticket {
         while let Some(done) = rx.recv().await {
@@ -476,9 +480,18 @@ async fn change<R>(
 }
 
 /// 204 for a change made, else why not.
-fn no_content<R>(result: Result<R, ChangeError>) -> Response {
+fn no_content(result: Result<Outcome, ChangeError>) -> Response {
     match result {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// 204 for a PUT of something that was there, 201 for one it made, else why not.
+fn created(result: Result<Outcome, ChangeError>) -> Response {
+    match result {
+        Ok(o) if o.existed() => StatusCode::NO_CONTENT.into_response(),
+        Ok(_) => StatusCode::CREATED.into_response(),
         Err(e) => e.into_response(),
     }
 }
@@ -519,10 +532,7 @@ fn amqp_error_response(e: &AmqpError) -> Response {
         _ => (StatusCode::BAD_REQUEST, "bad_request"),
     };
     // The reason without the reply code's name ("PRECONDITION_FAILED - "), as RabbitMQ's.
-    let reason = match e.text.split_once(" - ") {
-        Some((name, rest)) if name.bytes().all(|b| b.is_ascii_uppercase() || b == b'_') => rest,
-        _ => e.text.as_str(),
-    };
+    let reason = e.detail();
     (status, Json(json!({"error": error, "reason": reason}))).into_response()
 }
 

@@ -5,14 +5,13 @@
 
 use super::json::body_object;
 use super::users::{is_administrator, not_administrator};
-use super::{bad_request, change, no_content, not_found, Api, Login};
+use super::{bad_request, change, created, no_content, not_found, Api, Login};
+use crate::broker::cmd::Cmd;
 use crate::broker::permissions::{check, Permissions};
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 use warren_storage::Op;
 
 fn permission_json(user: &str, vhost: &str, p: &Permissions) -> Value {
@@ -132,22 +131,8 @@ pub(super) async fn put_permission(
         write,
         read,
     };
-    let result = change(&shared, |b, fx| {
-        if b.user(&user).is_none() || !b.has_vhost(&vhost) {
-            return Err(AmqpError::connection(
-                ReplyCode::PreconditionFailed,
-                "vhost_or_user_not_found",
-            ));
-        }
-        let existed = b.permissions(&user, &vhost).is_some();
-        b.apply(&op, fx).map(|()| existed)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(&shared, &me, "", Cmd::SetPermissions(op)).await;
+    created(result)
 }
 
 /// DELETE /api/permissions/{vhost}/{user}: 204, or 404 when there are none.
@@ -163,13 +148,7 @@ pub(super) async fn delete_permission(
         user: user.clone(),
         vhost: vhost.clone(),
     };
-    let result = change(&shared, |b, fx| {
-        if b.permissions(&user, &vhost).is_none() {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        b.apply(&op, fx)
-    })
-    .await;
+    let result = change(&shared, &me, "", Cmd::ClearPermissions(op)).await;
     no_content(result)
 }
 
@@ -286,22 +265,8 @@ pub(super) async fn put_topic_permission(
         write,
         read,
     };
-    let result = change(&shared, |b, fx| {
-        if b.user(&user).is_none() || !b.has_vhost(&vhost) {
-            return Err(AmqpError::connection(
-                ReplyCode::PreconditionFailed,
-                "vhost_or_user_not_found",
-            ));
-        }
-        let had = !b.topic_permissions(&user, &vhost).is_empty();
-        b.apply(&op, fx).map(|()| had)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(&shared, &me, "", Cmd::SetPermissions(op)).await;
+    created(result)
 }
 
 /// DELETE /api/topic-permissions/{vhost}/{user}: all of the user's in the vhost (204; 404 when
@@ -319,12 +284,6 @@ pub(super) async fn delete_topic_permission(
         vhost: vhost.clone(),
         exchange: String::new(),
     };
-    let result = change(&shared, |b, fx| {
-        if b.topic_permissions(&user, &vhost).is_empty() {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        b.apply(&op, fx)
-    })
-    .await;
+    let result = change(&shared, &me, "", Cmd::ClearPermissions(op)).await;
     no_content(result)
 }

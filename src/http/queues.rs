@@ -1,20 +1,19 @@
 //! `/api/queues`: list, show, declare (PUT), delete and purge (`/contents`) queues.
 //! A queue's bindings (`/api/queues/{vhost}/{name}/bindings`) are listed in `bindings.rs`.
 
-use super::access::{permit, Viewer};
+use super::access::Viewer;
 use super::json::{arguments, body_object, flag, table_json};
 use super::{
-    bad_request, change, in_vhost, no_content, node_name, not_found, Api, DeleteQuery, Login,
+    bad_request, change, created, in_vhost, no_content, node_name, not_found, Api, DeleteQuery,
+    Login,
 };
-use crate::broker::permissions::{Access, Resource};
+use crate::broker::cmd::Cmd;
 use crate::broker::{QueueDeclare, QueueView};
 use crate::node::Shared;
 use axum::extract::{Extension, Path, Query, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 
 fn queue_json(node: &str, q: &QueueView) -> Value {
     json!({
@@ -109,30 +108,13 @@ pub(super) async fn put_queue(
             name.len()
         ));
     }
-    let result = change(&shared, |b, fx| {
-        if !b.has_vhost(&vhost) {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "no such vhost"));
-        }
-        permit(b, &me, &vhost, Access::Configure, Resource::Queue, &name)?;
-        let existed = b.queue_info(&vhost, &name).is_some();
-        if !existed {
-            if let Some(amq_protocol::types::AMQPValue::LongString(dlx)) =
-                declare.arguments.inner().get("x-dead-letter-exchange")
-            {
-                // As queue.declare: reading the queue, writing to its dead-letter exchange.
-                let dlx = String::from_utf8_lossy(dlx.as_bytes());
-                permit(b, &me, &vhost, Access::Read, Resource::Queue, &name)?;
-                permit(b, &me, &vhost, Access::Write, Resource::Exchange, &dlx)?;
-            }
-        }
-        b.queue_declare(0, &vhost, declare, fx).map(|_| existed)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let cmd = Cmd::DeclareQueue {
+        ch: 0,
+        decl: declare,
+        nowait: true,
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
+    created(result)
 }
 
 /// DELETE /api/queues/{vhost}/{name} (`?if-unused=true`, `?if-empty=true`).
@@ -143,21 +125,14 @@ pub(super) async fn delete_queue(
     Query(query): Query<DeleteQuery>,
 ) -> Response {
     let yes = |v: &Option<String>| v.as_deref() == Some("true");
-    let result = change(&shared, |b, fx| {
-        if b.queue_info(&vhost, &name).is_none() {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        permit(b, &me, &vhost, Access::Configure, Resource::Queue, &name)?;
-        b.queue_delete(
-            0,
-            &vhost,
-            &name,
-            yes(&query.if_unused),
-            yes(&query.if_empty),
-            fx,
-        )
-    })
-    .await;
+    let cmd = Cmd::DeleteQueue {
+        ch: 0,
+        queue: name,
+        if_unused: yes(&query.if_unused),
+        if_empty: yes(&query.if_empty),
+        nowait: true,
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
     no_content(result)
 }
 
@@ -167,13 +142,11 @@ pub(super) async fn purge_queue(
     Extension(Login(me)): Extension<Login>,
     Path((vhost, name)): Path<(String, String)>,
 ) -> Response {
-    let result = change(&shared, |b, fx| {
-        if b.queue_info(&vhost, &name).is_none() {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        permit(b, &me, &vhost, Access::Read, Resource::Queue, &name)?;
-        b.queue_purge(0, &vhost, &name, fx)
-    })
-    .await;
+    let cmd = Cmd::PurgeQueue {
+        ch: 0,
+        queue: name,
+        nowait: true,
+    };
+    let result = change(&shared, &me, &vhost, cmd).await;
     no_content(result)
 }

@@ -4,6 +4,7 @@
 
 use super::json::body_object;
 use super::{bad_request, change, not_found, Api, Login};
+use crate::broker::cmd::Cmd;
 use crate::broker::users::{hash_password, User};
 use crate::node::Shared;
 use axum::extract::{Extension, Path, State};
@@ -11,7 +12,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 use warren_storage::Op;
 
 /// The only hashing algorithm stored (RabbitMQ's default since 3.6).
@@ -173,16 +173,8 @@ pub(super) async fn put_user(
         password_hash,
         tags,
     };
-    let result = change(&shared, |b, fx| {
-        let existed = b.user(&name).is_some();
-        b.apply(&op, fx).map(|()| existed)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(&shared, &me, "", Cmd::PutUser(op)).await;
+    super::created(result)
 }
 
 /// DELETE /api/users/{name}: the user goes, and so do their connections (320).
@@ -194,22 +186,7 @@ pub(super) async fn delete_user(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    let op = Op::DeleteUser { name: name.clone() };
-    let result = change(&shared, |b, fx| {
-        if b.user(&name).is_none() {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        // With no user left, the next start (or the next leader) would create the default
-        // user (guest/guest) again, as on an empty data folder: the last one stays.
-        if b.users().len() == 1 {
-            return Err(AmqpError::connection(
-                ReplyCode::PreconditionFailed,
-                "the last user cannot be deleted",
-            ));
-        }
-        b.apply(&op, fx)
-    })
-    .await;
+    let result = change(&shared, &me, "", Cmd::DeleteUser { name: name.clone() }).await;
     if result.is_ok() {
         // Logged in before the deletion: nothing lets them in again, and they go now (320,
         // with RabbitMQ's text).

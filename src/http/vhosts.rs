@@ -7,13 +7,12 @@
 use super::json::body_object;
 use super::users::{is_administrator, not_administrator};
 use super::{bad_request, change, no_content, node_name, not_found, Api, Login};
+use crate::broker::cmd::Cmd;
 use crate::broker::VhostInfo;
 use axum::extract::{Extension, Path, State};
-use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use warren_protocol::reply::{AmqpError, ReplyCode};
 use warren_storage::Op;
 
 /// RabbitMQ 3.10's fields (its message counters appear only once a vhost has statistics).
@@ -118,30 +117,8 @@ pub(super) async fn put_vhost(
         description,
         tags,
     };
-    let result = change(&shared, |b, fx| {
-        let existed = b.has_vhost(&name);
-        b.apply(&op, fx)?;
-        if !existed {
-            // RabbitMQ's API gives whoever creates a vhost full permissions on it.
-            b.apply(
-                &Op::SetPermissions {
-                    user: me.clone(),
-                    vhost: name.clone(),
-                    configure: ".*".into(),
-                    write: ".*".into(),
-                    read: ".*".into(),
-                },
-                fx,
-            )?;
-        }
-        Ok(existed)
-    })
-    .await;
-    match result {
-        Ok(true) => StatusCode::NO_CONTENT.into_response(),
-        Ok(false) => StatusCode::CREATED.into_response(),
-        Err(e) => e.into_response(),
-    }
+    let result = change(&shared, &me, "", Cmd::PutVhost(op)).await;
+    super::created(result)
 }
 
 /// DELETE /api/vhosts/{name}: the vhost goes with everything in it, and its connections are
@@ -154,22 +131,7 @@ pub(super) async fn delete_vhost(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    let op = Op::DeleteVhost { name: name.clone() };
-    let result = change(&shared, |b, fx| {
-        if !b.has_vhost(&name) {
-            return Err(AmqpError::connection(ReplyCode::NotFound, "Not Found"));
-        }
-        // With no vhost left, the next start (or the next leader) would make "/" again, as on
-        // an empty data folder: the last one stays.
-        if b.vhost_names().len() == 1 {
-            return Err(AmqpError::connection(
-                ReplyCode::PreconditionFailed,
-                "the last vhost cannot be deleted",
-            ));
-        }
-        b.apply(&op, fx)
-    })
-    .await;
+    let result = change(&shared, &me, "", Cmd::DeleteVhost { name: name.clone() }).await;
     if result.is_ok() {
         // Opened before the deletion: they go now. One opening meanwhile looks again once
         // it is listed here (`conn_vhost_still_there`).
