@@ -441,7 +441,7 @@ impl Broker {
         let replicated = q.is_stored();
         let (vhost, queue) = (q.vhost.clone(), q.name.clone());
         let mut ops: Vec<Op> = Vec::new();
-        if q.unacked == 0 {
+        if q.local.unacked == 0 {
             ops.push(Op::Purge { vhost, queue });
         } else {
             if !keys.is_empty() {
@@ -595,7 +595,7 @@ impl Broker {
         }
         let emptied = self.unbind_everywhere(&q.vhost, &Dest::Queue(id), q.is_stored());
         self.local.expirable.remove(&id);
-        for key in q.consumers.into_iter().map(|c| c.key) {
+        for key in q.local.consumers.into_iter().map(|c| c.key) {
             if let Some(ch) = self
                 .local
                 .conns

@@ -872,7 +872,10 @@ impl Broker {
     /// How many consumers a queue has.
     pub fn consumer_count(&self, vhost: &str, queue: &str) -> Option<usize> {
         let id = self.queue_id(vhost, queue).ok()?;
-        self.replicated.queues.get(&id).map(|q| q.consumers.len())
+        self.replicated
+            .queues
+            .get(&id)
+            .map(|q| q.local.consumers.len())
     }
 
     /// How many messages a queue has paged out to the store past its window since it was
@@ -1008,7 +1011,7 @@ impl Broker {
             .iter()
             .filter(|id| {
                 self.replicated.queues.get(id).is_some_and(|q| {
-                    q.consumers.is_empty()
+                    q.local.consumers.is_empty()
                         && q.expires
                             .is_some_and(|e| now >= q.last_used.saturating_add(e))
                 })
@@ -1069,7 +1072,7 @@ impl Broker {
             let mut touched: Vec<QueueId> = Vec::new();
             for (qid, qm) in requeue.into_iter().rev() {
                 if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                    q.unacked -= 1;
+                    q.local.unacked -= 1;
                     if !q.requeue(qm) {
                         self.local.dirty.push(qid);
                     }
@@ -1288,7 +1291,7 @@ impl Broker {
         let now = self.local.now_ms;
         for (_, u) in state.unacked.into_iter().rev() {
             if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
-                q.unacked -= 1;
+                q.local.unacked -= 1;
                 if !q.requeue(u.qm) {
                     self.local.dirty.push(u.queue);
                 }
@@ -1313,10 +1316,10 @@ impl Broker {
         let Some(q) = self.replicated.queues.get_mut(&id) else {
             return;
         };
-        if q.consumers.is_empty() {
+        if q.local.consumers.is_empty() {
             q.last_used = now;
         }
-        if q.auto_delete && q.had_consumers && q.consumers.is_empty() {
+        if q.auto_delete && q.local.had_consumers && q.local.consumers.is_empty() {
             self.delete_queue(id, fx);
         } else {
             self.dispatch(id, fx);
@@ -1596,7 +1599,7 @@ impl Broker {
         QueueInfo {
             name: q.name.to_string(),
             message_count: q.message_count() as u32,
-            consumer_count: q.consumers.len() as u32,
+            consumer_count: q.local.consumers.len() as u32,
         }
     }
 
@@ -1788,7 +1791,7 @@ impl Broker {
         };
         self.check_exclusive(conn, id)?;
         let q = &self.replicated.queues[&id];
-        if if_unused && !q.consumers.is_empty() {
+        if if_unused && !q.local.consumers.is_empty() {
             return Err(AmqpError::precondition_failed(format!(
                 "{} in use",
                 qname(vhost, queue)
@@ -2090,7 +2093,7 @@ impl Broker {
             }
             if staged {
                 self.local.staging.insert(*qid);
-                any_staged |= q.pressure() || !q.consumers.is_empty();
+                any_staged |= q.pressure() || !q.local.consumers.is_empty();
             }
             if staged && !stored {
                 // Past the window: the store keeps it until the queue drains to it.
@@ -2141,7 +2144,7 @@ impl Broker {
     pub fn holding(&self, conn: ConnId, queues: &[QueueId]) -> bool {
         queues.iter().any(|q| {
             self.replicated.queues.get(q).is_some_and(|q| {
-                q.holding(self.local.now_ms) && q.consumers.iter().all(|c| c.key.conn != conn)
+                q.holding(self.local.now_ms) && q.local.consumers.iter().all(|c| c.key.conn != conn)
             })
         })
     }
@@ -2198,7 +2201,7 @@ impl Broker {
             )));
         }
         let q = &self.replicated.queues[&id];
-        if q.exclusive_consumer.is_some() || (exclusive && !q.consumers.is_empty()) {
+        if q.local.exclusive_consumer.is_some() || (exclusive && !q.local.consumers.is_empty()) {
             return Err(AmqpError::access_refused(format!(
                 "{} in exclusive use",
                 qname(vhost, queue)
@@ -2222,10 +2225,10 @@ impl Broker {
         let now = self.local.now_ms;
         if let Some(q) = self.replicated.queues.get_mut(&id) {
             if exclusive {
-                q.exclusive_consumer = Some(key.clone());
+                q.local.exclusive_consumer = Some(key.clone());
             }
             q.add_consumer(QueueConsumer { key, priority });
-            q.had_consumers = true;
+            q.local.had_consumers = true;
             q.last_used = now;
         }
         self.dispatch(id, fx);
@@ -2407,7 +2410,7 @@ impl Broker {
         // With the node reading for us, nothing here reads the store: a head that must be
         // read first is asked for (`Effect::Read`) and deliveries wait for `read_done`.
         let asks = q.async_reads();
-        while !q.is_empty() && !q.consumers.is_empty() {
+        while !q.is_empty() && !q.local.consumers.is_empty() {
             // Expired messages never reach a consumer (strictly past their time, so a TTL-0
             // message can still go to a consumer that is ready when it arrives).
             let reads = if asks { 0 } else { usize::MAX };
@@ -2426,16 +2429,16 @@ impl Broker {
                     break;
                 }
             }
-            let n = q.consumers.len();
+            let n = q.local.consumers.len();
             let mut chosen = None;
             // Plain queues try consumers round-robin from `next`; with consumer priorities or a
             // single active consumer the queue orders them.
-            let ordered = q.single_active || q.consumers.iter().any(|c| c.priority != 0);
+            let ordered = q.single_active || q.local.consumers.iter().any(|c| c.priority != 0);
             let order: Vec<usize> = if ordered { q.candidates() } else { Vec::new() };
-            let (next, count) = (q.next, if ordered { order.len() } else { n });
+            let (next, count) = (q.local.next, if ordered { order.len() } else { n });
             let indexes = (0..count).map(|i| if ordered { order[i] } else { (next + i) % n });
             for idx in indexes {
-                let key = &q.consumers[idx].key;
+                let key = &q.local.consumers[idx].key;
                 let Some(conn) = conns.get(&key.conn) else {
                     continue;
                 };
@@ -2466,8 +2469,8 @@ impl Broker {
             let Some(idx) = chosen else {
                 break;
             };
-            q.next = (idx + 1) % n;
-            let key = q.consumers[idx].key.clone();
+            q.local.next = (idx + 1) % n;
+            let key = q.local.consumers[idx].key.clone();
             let Some(qm) = q.pop() else {
                 break;
             };
@@ -2499,7 +2502,7 @@ impl Broker {
             } else {
                 c.unacked += 1;
                 ch.consumer_unacked += 1;
-                q.unacked += 1;
+                q.local.unacked += 1;
                 ch.unacked.insert(
                     tag,
                     Unacked {
@@ -2570,7 +2573,7 @@ impl Broker {
                 apply::removed(log, q, &qm);
             }
         } else {
-            q.unacked += 1;
+            q.local.unacked += 1;
             state.unacked.insert(
                 tag,
                 Unacked {
@@ -2702,7 +2705,7 @@ impl Broker {
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
         for u in &taken {
             if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
-                q.unacked -= 1;
+                q.local.unacked -= 1;
             }
             if !touched.contains(&u.queue) {
                 touched.push(u.queue);
@@ -2778,7 +2781,7 @@ impl Broker {
         let now = self.local.now_ms;
         for u in taken.into_iter().rev() {
             if let Some(q) = self.replicated.queues.get_mut(&u.queue) {
-                q.unacked -= 1;
+                q.local.unacked -= 1;
                 if requeue && !q.requeue(u.qm) {
                     self.local.dirty.push(u.queue);
                 }
@@ -2860,8 +2863,8 @@ impl Broker {
                 quorum: q.quorum,
                 messages_ready: q.message_count() as u64,
                 message_bytes_ready: q.ready_bytes(),
-                messages_unacknowledged: q.unacked as u64,
-                consumers: q.consumers.len(),
+                messages_unacknowledged: q.local.unacked as u64,
+                consumers: q.local.consumers.len(),
             })
             .collect();
         out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));

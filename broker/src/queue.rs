@@ -236,6 +236,9 @@ pub struct QueueConsumer {
 
 #[derive(Debug)]
 pub struct Queue {
+    // Replicated: the definition (name, flags, arguments) and the messages (levels, counts),
+    // the same on every node that applies the same ops. Kept by this node alone: how the
+    // messages are laid out between memory and its store (paging, reads), and `local`.
     /// Shared with the ops that name the queue (`warren_storage::Name`).
     pub name: warren_storage::Name,
     pub vhost: warren_storage::Name,
@@ -277,9 +280,6 @@ pub struct Queue {
     disk_may_expire: bool,
     /// Messages paged out (staged for the store past the window) since the queue was made.
     pub paged_out: u64,
-    /// Since when (broker clock, ms) publishers are held for this queue's consumers (see
-    /// `push`).
-    hold_since: Option<u64>,
     /// Messages read back with an id up to this were recovered from a previous run: they may
     /// have been delivered before, so they go out redelivered.
     redeliver_upto: u64,
@@ -299,6 +299,18 @@ pub struct Queue {
     /// Deliveries from this queue wait for it; one unanswered for `READ_ASK_AGAIN_MS` is asked
     /// again.
     pub read_pending: Option<(u64, u64)>,
+    /// What only the node serving clients keeps: consumers, deliveries, publisher holds.
+    pub local: QueueLocal,
+    /// Messages that left without an ack (expired, over the limit), for the broker to
+    /// dead-letter and remove from the store.
+    pub dropped: Vec<(QueuedMessage, DropReason)>,
+}
+
+/// A queue's leader-local state (issue 13 point 1): what a connection to this node made, which
+/// a replica neither has nor needs. No op records it; a new leader starts with none (its
+/// clients reconnect, and what was delivered comes back redelivered).
+#[derive(Debug, Default)]
+pub struct QueueLocal {
     /// Consumers in subscription order; `next` is where the round-robin resumes.
     pub consumers: Vec<QueueConsumer>,
     pub next: usize,
@@ -308,9 +320,9 @@ pub struct Queue {
     pub unacked: usize,
     /// Auto-delete queues go when their last consumer goes, but only after they had one.
     pub had_consumers: bool,
-    /// Messages that left without an ack (expired, over the limit), for the broker to
-    /// dead-letter and remove from the store.
-    pub dropped: Vec<(QueuedMessage, DropReason)>,
+    /// Since when (broker clock, ms) publishers are held for this queue's consumers (see
+    /// `push`).
+    hold_since: Option<u64>,
 }
 
 /// A message as the store gave it back.
@@ -363,7 +375,6 @@ impl Queue {
             pager: None,
             spilled: false,
             disk_may_expire: false,
-            hold_since: None,
             paged_out: 0,
             redeliver_upto: 0,
             lost: 0,
@@ -371,11 +382,7 @@ impl Queue {
             read_errors: Default::default(),
             read_epoch: 0,
             read_pending: None,
-            consumers: Vec::new(),
-            next: 0,
-            exclusive_consumer: None,
-            unacked: 0,
-            had_consumers: false,
+            local: QueueLocal::default(),
             dropped: Vec::new(),
         }
     }
@@ -467,7 +474,7 @@ impl Queue {
         let level = self.level(&qm.msg);
         let over = self.mem_count >= WINDOW_MESSAGES || self.mem_bytes + size > WINDOW_BYTES;
         if !over {
-            self.hold_since = None;
+            self.local.hold_since = None;
         }
         let paged = self.levels[level].paged();
         let stage = self.pager.is_some() && (paged || over);
@@ -475,10 +482,11 @@ impl Queue {
         let hold = stage
             && hold_max > 0
             && !paged
-            && !self.consumers.is_empty()
+            && !self.local.consumers.is_empty()
             && self.mem_count < 2 * WINDOW_MESSAGES
             && self.mem_bytes + size <= 2 * WINDOW_BYTES
             && self
+                .local
                 .hold_since
                 .is_none_or(|t| now.saturating_sub(t) < hold_max);
         self.mem_count += 1;
@@ -492,7 +500,7 @@ impl Queue {
             return Pushed::Staged;
         }
         if hold {
-            self.hold_since.get_or_insert(now);
+            self.local.hold_since.get_or_insert(now);
         }
         let l = &mut l.mem;
         match l.back() {
@@ -512,17 +520,18 @@ impl Queue {
     /// Whether publishers should still wait for this queue's consumers (see `push`).
     pub fn holding(&self, now: u64) -> bool {
         let hold_max = self.pager.as_ref().map_or(0, |p| p.hold_max_ms);
-        self.hold_since
+        self.local
+            .hold_since
             .is_some_and(|t| now.saturating_sub(t) < hold_max)
-            && !self.consumers.is_empty()
+            && !self.local.consumers.is_empty()
             && !self.under_window()
     }
 
     /// Whether a publisher held for this queue can go on (checked after deliveries): true at
     /// the moment the queue is back under its window.
     pub fn released(&mut self) -> bool {
-        if self.hold_since.is_some() && self.under_window() {
-            self.hold_since = None;
+        if self.local.hold_since.is_some() && self.under_window() {
+            self.local.hold_since = None;
             return true;
         }
         false
@@ -1504,16 +1513,16 @@ impl Queue {
     }
 
     pub fn remove_consumer(&mut self, key: &ConsumerKey) -> bool {
-        if let Some(pos) = self.consumers.iter().position(|c| c.key == *key) {
-            self.consumers.remove(pos);
-            if self.exclusive_consumer.as_ref() == Some(key) {
-                self.exclusive_consumer = None;
+        if let Some(pos) = self.local.consumers.iter().position(|c| c.key == *key) {
+            self.local.consumers.remove(pos);
+            if self.local.exclusive_consumer.as_ref() == Some(key) {
+                self.local.exclusive_consumer = None;
             }
-            if self.next > pos {
-                self.next -= 1;
+            if self.local.next > pos {
+                self.local.next -= 1;
             }
-            if self.next >= self.consumers.len() {
-                self.next = 0;
+            if self.local.next >= self.local.consumers.len() {
+                self.local.next = 0;
             }
             if pos == 0 {
                 self.promote_next_active();
@@ -1527,7 +1536,7 @@ impl Queue {
     /// Add a consumer. With single-active-consumer, the first one stays active; the others wait
     /// in subscription order (by priority when they take over).
     pub fn add_consumer(&mut self, c: QueueConsumer) {
-        self.consumers.push(c);
+        self.local.consumers.push(c);
     }
 
     /// Which consumers may receive now, in the order to try them: with single-active-consumer
@@ -1535,16 +1544,16 @@ impl Queue {
     /// accepts, round-robin from `next`, falling back to lower priorities when all of a higher
     /// one are blocked.
     pub fn candidates(&self) -> Vec<usize> {
-        let n = self.consumers.len();
+        let n = self.local.consumers.len();
         if n == 0 {
             return Vec::new();
         }
         if self.single_active {
             return vec![self.active_index()];
         }
-        let mut order: Vec<usize> = (0..n).map(|i| (self.next + i) % n).collect();
+        let mut order: Vec<usize> = (0..n).map(|i| (self.local.next + i) % n).collect();
         // Stable sort keeps the round-robin order within a priority.
-        order.sort_by_key(|&i| std::cmp::Reverse(self.consumers[i].priority));
+        order.sort_by_key(|&i| std::cmp::Reverse(self.local.consumers[i].priority));
         order
     }
 
@@ -1556,13 +1565,13 @@ impl Queue {
     /// A single-active-consumer queue lost its active consumer: the waiting one with the highest
     /// priority (then subscription order) becomes active, by moving to the front.
     pub fn promote_next_active(&mut self) {
-        if !self.single_active || self.consumers.len() < 2 {
+        if !self.single_active || self.local.consumers.len() < 2 {
             return;
         }
-        let best = (0..self.consumers.len())
-            .max_by_key(|&i| (self.consumers[i].priority, std::cmp::Reverse(i)))
+        let best = (0..self.local.consumers.len())
+            .max_by_key(|&i| (self.local.consumers[i].priority, std::cmp::Reverse(i)))
             .unwrap_or(0);
-        let c = self.consumers.remove(best);
-        self.consumers.insert(0, c);
+        let c = self.local.consumers.remove(best);
+        self.local.consumers.insert(0, c);
     }
 }
