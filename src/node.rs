@@ -469,7 +469,8 @@ impl Shared {
     /// the committer, and the hold ends with the commit ticket (see `Outbox::hold_begin`).
     /// Reads the core asked for are done after the lock is released. Returns the command's
     /// outcome and the commit ticket of the durable changes it made (None: none). The place
-    /// where a permission check, a metric or (in a cluster) a proposal hooks in.
+    /// where a metric or (in a cluster) a proposal hooks in; permission checks are the core's
+    /// (`Broker::execute`), so AMQP and the API share them.
     pub fn execute(
         &self,
         caller: Caller<'_>,
@@ -519,14 +520,15 @@ impl Shared {
         }
         let held = outbox.filter(|_| cmd.holds_reply());
         let began = held.map(|outbox| outbox.hold_begin());
-        if let (Cmd::DeclareQueue { decl, .. }, Some(name)) = (&cmd, &self.config.panic_on_declare)
-        {
-            // Test hook (off unless a test sets it): a defect that panics with the broker
-            // lock held, to show the connection task recovers from it (conn::serve).
-            if &decl.name == name {
-                panic!("injected panic declaring {name}");
+        // Test hook (off unless a test sets it): a client's declare of this name panics once
+        // the core has carried it out (past its permission checks), with the broker lock
+        // held, to show the connection task recovers from a defect there (conn::serve).
+        let panics = match (&cmd, &self.config.panic_on_declare) {
+            (Cmd::DeclareQueue { decl, .. }, Some(name)) if client.is_some() => {
+                (decl.name == *name).then(|| name.clone())
             }
-        }
+            _ => None,
+        };
         let closes = matches!(cmd, Cmd::CloseConnection);
         let result = broker.execute(&who, cmd, fx).map(|(outcome, reply)| {
             if let (Outcome::Opened(conn), Some(client)) = (&outcome, client) {
@@ -538,6 +540,9 @@ impl Shared {
             }
             outcome
         });
+        if let (Some(name), Ok(_)) = (panics, &result) {
+            panic!("injected panic declaring {name}");
+        }
         if closes {
             // Removed while the broker lock is held: nothing can route to it after.
             self.outboxes.write().remove(&who.conn);

@@ -13,7 +13,7 @@ use crate::{
     Broker, ConnId, Effect, ExchangeDeclare, Message, QueueDeclare, ReadRequest, Targets, REPLY_TO,
 };
 use amq_protocol::protocol::{basic, channel, exchange, queue, tx, AMQPClass};
-use amq_protocol::types::{AMQPValue, FieldTable};
+use amq_protocol::types::FieldTable;
 use std::cell::RefCell;
 use std::sync::Arc;
 use warren_protocol::{AmqpError, ReplyCode};
@@ -173,35 +173,67 @@ pub enum Cmd {
         bind: bool,
         nowait: bool,
     },
-    /// DELETE /api/bindings/…: the binding whose properties key (as the API names bindings)
-    /// is `props`, made by `props_key` from the binding's key and arguments.
+    /// DELETE /api/bindings/…: the binding whose properties key (as the API names bindings,
+    /// `BindingView::properties_key`) is `props`.
     Unbind {
         source: String,
         destination: String,
         to_queue: bool,
         props: String,
-        props_key: fn(&str, &FieldTable) -> String,
     },
 
     // -------------------------------------------------- users, vhosts, permissions, limits
-    /// PUT /api/users/{name} (an `Op::PutUser`): answers whether the user existed.
-    PutUser(Op),
+    /// PUT /api/users/{name}: answers whether the user existed.
+    PutUser {
+        name: String,
+        /// RabbitMQ's `password_hash` (see `Op::PutUser`).
+        password_hash: String,
+        tags: Vec<String>,
+    },
     /// DELETE /api/users/{name}: not the last user.
     DeleteUser {
         name: String,
     },
-    /// PUT /api/vhosts/{name} (an `Op::PutVhost`); a vhost it creates gives the caller full
-    /// permissions on it, as RabbitMQ's API does. Answers whether the vhost existed.
-    PutVhost(Op),
+    /// PUT /api/vhosts/{name}; a vhost it creates gives the caller full permissions on it, as
+    /// RabbitMQ's API does. Answers whether the vhost existed.
+    PutVhost {
+        name: String,
+        description: String,
+        tags: Vec<String>,
+    },
     /// DELETE /api/vhosts/{name}: not the last vhost.
     DeleteVhost {
         name: String,
     },
-    /// `Op::SetPermissions` or `Op::SetTopicPermissions`: answers whether the user had
-    /// (such) permissions in the vhost.
-    SetPermissions(Op),
-    /// `Op::ClearPermissions` or `Op::ClearTopicPermissions`, of permissions that exist.
-    ClearPermissions(Op),
+    /// PUT /api/permissions/{vhost}/{user}: answers whether the user had permissions there.
+    SetPermissions {
+        user: String,
+        vhost: String,
+        configure: String,
+        write: String,
+        read: String,
+    },
+    /// PUT /api/topic-permissions/{vhost}/{user}: answers whether the user had topic
+    /// permissions in the vhost.
+    SetTopicPermissions {
+        user: String,
+        vhost: String,
+        exchange: String,
+        write: String,
+        read: String,
+    },
+    /// DELETE /api/permissions/{vhost}/{user}, of permissions that exist.
+    ClearPermissions {
+        user: String,
+        vhost: String,
+    },
+    /// DELETE /api/topic-permissions/{vhost}/{user}: on one exchange, or on all (""), of topic
+    /// permissions that exist.
+    ClearTopicPermissions {
+        user: String,
+        vhost: String,
+        exchange: String,
+    },
     /// Set (`Some`) or remove (`None`) one limit of a vhost.
     VhostLimit {
         vhost: String,
@@ -429,12 +461,13 @@ pub fn exchange_or_default(name: &str) -> &str {
     }
 }
 
-/// A string argument (long or short string) of a declare, if there is one.
-fn string_argument(args: &FieldTable, name: &str) -> Option<String> {
-    match args.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-        _ => None,
+impl Broker {
+    /// Both a user and a vhost exist (permissions are set between the two).
+    fn user_and_vhost(&self, user: &str, vhost: &str) -> Result<(), AmqpError> {
+        if self.user(user).is_none() || !self.has_vhost(vhost) {
+            return Err(refused("vhost_or_user_not_found"));
+        }
+        Ok(())
     }
 }
 
@@ -827,7 +860,7 @@ impl Broker {
                     // Checked when the queue is made (a redeclare changes nothing).
                     if !exists {
                         if let Some(dlx) =
-                            string_argument(&decl.arguments, "x-dead-letter-exchange")
+                            crate::args::string(&decl.arguments, "x-dead-letter-exchange")
                         {
                             who.check(self, Access::Read, Resource::Queue, &name)?;
                             who.check(self, Access::Write, Resource::Exchange, &dlx)?;
@@ -916,7 +949,7 @@ impl Broker {
                     who.check(self, Access::Configure, Resource::Exchange, &decl.name)?;
                     // An alternate exchange: reading the new one, writing to the alternate
                     // (RabbitMQ), so nobody routes into an exchange they may not write to.
-                    if let Some(ae) = string_argument(&decl.arguments, "alternate-exchange") {
+                    if let Some(ae) = crate::args::string(&decl.arguments, "alternate-exchange") {
                         who.check(self, Access::Read, Resource::Exchange, &decl.name)?;
                         who.check(self, Access::Write, Resource::Exchange, &ae)?;
                     }
@@ -982,7 +1015,6 @@ impl Broker {
                 destination,
                 to_queue,
                 props,
-                props_key,
             } => {
                 let found = self
                     .binding_views(Some(who.vhost))
@@ -992,7 +1024,7 @@ impl Broker {
                             && v.source == source
                             && v.destination == destination
                             && v.destination_is_queue == to_queue
-                            && props_key(&v.routing_key, &v.arguments) == props
+                            && v.properties_key() == props
                     })
                     .ok_or_else(not_found)?;
                 let resource = if to_queue {
@@ -1010,8 +1042,17 @@ impl Broker {
                 }
                 done(None)
             }
-            Cmd::PutUser(op) => {
-                let existed = matches!(&op, Op::PutUser { name, .. } if self.user(name).is_some());
+            Cmd::PutUser {
+                name,
+                password_hash,
+                tags,
+            } => {
+                let existed = self.user(&name).is_some();
+                let op = Op::PutUser {
+                    name,
+                    password_hash,
+                    tags,
+                };
                 self.apply(&op, fx)?;
                 Ok((Outcome::Existed(existed), None))
             }
@@ -1028,12 +1069,17 @@ impl Broker {
                 self.apply(&Op::DeleteUser { name }, fx)?;
                 done(None)
             }
-            Cmd::PutVhost(op) => {
-                let Op::PutVhost { name, .. } = &op else {
-                    return Err(refused("not a vhost"));
-                };
-                let name = name.clone();
+            Cmd::PutVhost {
+                name,
+                description,
+                tags,
+            } => {
                 let existed = self.has_vhost(&name);
+                let op = Op::PutVhost {
+                    name: name.clone(),
+                    description,
+                    tags,
+                };
                 self.apply(&op, fx)?;
                 if !existed {
                     // RabbitMQ's API gives whoever creates a vhost full permissions on it.
@@ -1053,34 +1099,64 @@ impl Broker {
                 self.apply(&Op::DeleteVhost { name }, fx)?;
                 done(None)
             }
-            Cmd::SetPermissions(op) => {
-                let (user, vhost, topic) = match &op {
-                    Op::SetPermissions { user, vhost, .. } => (user, vhost, false),
-                    Op::SetTopicPermissions { user, vhost, .. } => (user, vhost, true),
-                    _ => return Err(refused("not a permission")),
-                };
-                if self.user(user).is_none() || !self.has_vhost(vhost) {
-                    return Err(refused("vhost_or_user_not_found"));
-                }
-                let had = if topic {
-                    !self.topic_permissions(user, vhost).is_empty()
-                } else {
-                    self.permissions(user, vhost).is_some()
+            Cmd::SetPermissions {
+                user,
+                vhost,
+                configure,
+                write,
+                read,
+            } => {
+                self.user_and_vhost(&user, &vhost)?;
+                let had = self.permissions(&user, &vhost).is_some();
+                let op = Op::SetPermissions {
+                    user,
+                    vhost,
+                    configure,
+                    write,
+                    read,
                 };
                 self.apply(&op, fx)?;
                 Ok((Outcome::Existed(had), None))
             }
-            Cmd::ClearPermissions(op) => {
-                let there = match &op {
-                    Op::ClearPermissions { user, vhost } => self.permissions(user, vhost).is_some(),
-                    Op::ClearTopicPermissions { user, vhost, .. } => {
-                        !self.topic_permissions(user, vhost).is_empty()
-                    }
-                    _ => return Err(refused("not a permission")),
+            Cmd::SetTopicPermissions {
+                user,
+                vhost,
+                exchange,
+                write,
+                read,
+            } => {
+                self.user_and_vhost(&user, &vhost)?;
+                let had = !self.topic_permissions(&user, &vhost).is_empty();
+                let op = Op::SetTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                    write,
+                    read,
                 };
-                if !there {
+                self.apply(&op, fx)?;
+                Ok((Outcome::Existed(had), None))
+            }
+            Cmd::ClearPermissions { user, vhost } => {
+                if self.permissions(&user, &vhost).is_none() {
                     return Err(not_found());
                 }
+                self.apply(&Op::ClearPermissions { user, vhost }, fx)?;
+                done(None)
+            }
+            Cmd::ClearTopicPermissions {
+                user,
+                vhost,
+                exchange,
+            } => {
+                if self.topic_permissions(&user, &vhost).is_empty() {
+                    return Err(not_found());
+                }
+                let op = Op::ClearTopicPermissions {
+                    user,
+                    vhost,
+                    exchange,
+                };
                 self.apply(&op, fx)?;
                 done(None)
             }

@@ -2956,6 +2956,26 @@ pub struct BindingView {
     pub arguments: FieldTable,
 }
 
+impl BindingView {
+    /// RabbitMQ's `properties_key` of a binding, which names it in a management API path:
+    /// "~" for an empty routing key without arguments, the routing key itself, or the key,
+    /// "~" and a digest of the arguments.
+    pub fn properties_key(&self) -> String {
+        if self.arguments.inner().is_empty() {
+            if self.routing_key.is_empty() {
+                "~".into()
+            } else {
+                self.routing_key.clone()
+            }
+        } else {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            format!("{:?}", self.arguments).hash(&mut h);
+            format!("{}~{:016x}", self.routing_key, h.finish())
+        }
+    }
+}
+
 /// A queue as the management API lists it.
 #[derive(Debug, Clone)]
 pub struct QueueView {

@@ -340,7 +340,7 @@ impl Session {
                 )
             }
             Err(e) => {
-                info!(text = %e.text, "connection.open refused");
+                info!(reason = %e.detail(), "connection.open refused");
                 return Err(e.on(10, 40));
             }
         };

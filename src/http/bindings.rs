@@ -7,35 +7,11 @@ use super::{bad_request, change, in_vhost, no_content, not_found, Api, Login};
 use crate::broker::cmd::Cmd;
 use crate::broker::BindingView;
 use crate::node::Shared;
-use amq_protocol::types::FieldTable;
 use axum::extract::{Extension, Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-
-/// RabbitMQ's `properties_key` of a binding, which names it in a path: "~" for an empty
-/// routing key without arguments, the routing key itself, or the key, "~" and a digest of
-/// the arguments.
-fn properties_key(b: &BindingView) -> String {
-    props_key(&b.routing_key, &b.arguments)
-}
-
-/// [`properties_key`] of a binding's routing key and arguments.
-fn props_key(routing_key: &str, arguments: &FieldTable) -> String {
-    if arguments.inner().is_empty() {
-        if routing_key.is_empty() {
-            "~".into()
-        } else {
-            routing_key.to_string()
-        }
-    } else {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        format!("{arguments:?}").hash(&mut h);
-        format!("{routing_key}~{:016x}", h.finish())
-    }
-}
 
 fn binding_json(b: &BindingView) -> Value {
     json!({
@@ -45,7 +21,7 @@ fn binding_json(b: &BindingView) -> Value {
         "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
         "routing_key": b.routing_key,
         "arguments": table_json(&b.arguments),
-        "properties_key": properties_key(b),
+        "properties_key": b.properties_key(),
     })
 }
 
@@ -145,7 +121,7 @@ pub(super) async fn binding_one(
         b.source == source
             && b.destination == dest
             && b.destination_is_queue == to_queue
-            && properties_key(b) == props
+            && b.properties_key() == props
     }) {
         Some(b) => Json(binding_json(b)).into_response(),
         None => not_found(),
@@ -212,7 +188,7 @@ pub(super) async fn add_binding(
                 arguments: args,
             };
             let mut r = StatusCode::CREATED.into_response();
-            let location = format!("./{}", pct(&properties_key(&view)));
+            let location = format!("./{}", pct(&view.properties_key()));
             if let Ok(v) = HeaderValue::from_str(&location) {
                 r.headers_mut().insert(header::LOCATION, v);
             }
@@ -236,7 +212,6 @@ pub(super) async fn delete_binding(
         destination: dest,
         to_queue,
         props,
-        props_key,
     };
     let result = change(&shared, &me, &vhost, cmd).await;
     no_content(result)

@@ -12,7 +12,6 @@ use axum::extract::{Extension, Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use warren_storage::Op;
 
 fn permission_json(user: &str, vhost: &str, p: &Permissions) -> Value {
     json!({
@@ -124,14 +123,14 @@ pub(super) async fn put_permission(
         exprs.push(expr.to_string());
     }
     let [configure, write, read] = <[String; 3]>::try_from(exprs).unwrap_or_default();
-    let op = Op::SetPermissions {
+    let cmd = Cmd::SetPermissions {
         user: user.clone(),
         vhost: vhost.clone(),
         configure,
         write,
         read,
     };
-    let result = change(&shared, &me, "", Cmd::SetPermissions(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     created(result)
 }
 
@@ -144,11 +143,11 @@ pub(super) async fn delete_permission(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    let op = Op::ClearPermissions {
+    let cmd = Cmd::ClearPermissions {
         user: user.clone(),
         vhost: vhost.clone(),
     };
-    let result = change(&shared, &me, "", Cmd::ClearPermissions(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     no_content(result)
 }
 
@@ -258,14 +257,14 @@ pub(super) async fn put_topic_permission(
         fields.push(v.to_string());
     }
     let [exchange, write, read] = <[String; 3]>::try_from(fields).unwrap_or_default();
-    let op = Op::SetTopicPermissions {
+    let cmd = Cmd::SetTopicPermissions {
         user: user.clone(),
         vhost: vhost.clone(),
         exchange,
         write,
         read,
     };
-    let result = change(&shared, &me, "", Cmd::SetPermissions(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     created(result)
 }
 
@@ -279,11 +278,11 @@ pub(super) async fn delete_topic_permission(
     if !is_administrator(&shared, &me) {
         return not_administrator();
     }
-    let op = Op::ClearTopicPermissions {
+    let cmd = Cmd::ClearTopicPermissions {
         user: user.clone(),
         vhost: vhost.clone(),
         exchange: String::new(),
     };
-    let result = change(&shared, &me, "", Cmd::ClearPermissions(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     no_content(result)
 }

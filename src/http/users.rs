@@ -12,7 +12,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use warren_storage::Op;
 
 /// The only hashing algorithm stored (RabbitMQ's default since 3.6).
 const SHA256: &str = "rabbit_password_hashing_sha256";
@@ -168,12 +167,12 @@ pub(super) async fn put_user(
     if name.is_empty() {
         return bad_request("a user needs a name");
     }
-    let op = Op::PutUser {
+    let cmd = Cmd::PutUser {
         name: name.clone(),
         password_hash,
         tags,
     };
-    let result = change(&shared, &me, "", Cmd::PutUser(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     super::created(result)
 }
 

@@ -13,7 +13,6 @@ use axum::extract::{Extension, Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
-use warren_storage::Op;
 
 /// RabbitMQ 3.10's fields (its message counters appear only once a vhost has statistics).
 fn vhost_json(v: &VhostInfo) -> Value {
@@ -112,12 +111,12 @@ pub(super) async fn put_vhost(
     if name.is_empty() {
         return bad_request("a vhost needs a name");
     }
-    let op = Op::PutVhost {
+    let cmd = Cmd::PutVhost {
         name: name.clone(),
         description,
         tags,
     };
-    let result = change(&shared, &me, "", Cmd::PutVhost(op)).await;
+    let result = change(&shared, &me, "", cmd).await;
     super::created(result)
 }
 

@@ -1037,17 +1037,31 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
             assert!(p.await.unwrap().is_ack(), "batch {batch}");
         }
     }
-    // Entries past the interval: a snapshot, and the log before it reclaimed.
+    // Entries past the interval: a snapshot that holds all the big messages (not one of
+    // the earlier, smaller ones, which a loaded machine may still be the latest of: snapshots
+    // are built in the background), and the log before it reclaimed.
+    let big_end = c.nodes[leader].status().unwrap()["last_log_index"]
+        .as_u64()
+        .unwrap();
     publish_one_by_one(&conn, "big", 0, 60).await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // A snapshot is asked for only as entries are applied: while the last one asked for is
+    // still being built, one more small entry every half second asks again.
+    let mut total = 380;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut nudge = Instant::now() + Duration::from_millis(500);
     loop {
         let s = c.nodes[leader].status().unwrap();
-        if s["snapshot_index"].as_u64().unwrap_or(0) > 0
+        if s["snapshot_index"].as_u64().unwrap_or(0) >= big_end
             && s["purged_index"].as_u64().unwrap_or(0) > 0
         {
             break;
         }
         assert!(Instant::now() < deadline, "no snapshot and purge: {s}");
+        if Instant::now() > nudge {
+            publish_one_by_one(&conn, "big", total, 1).await;
+            total += 1;
+            nudge = Instant::now() + Duration::from_millis(500);
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut node = Node::new(4);
@@ -1058,7 +1072,7 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
     let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "4", &raft]);
     assert!(ok, "{out}");
-    replicated(&c, "big", 380, Duration::from_secs(60)).await;
+    replicated(&c, "big", u64::from(total), Duration::from_secs(60)).await;
     installed_a_snapshot(&c, extra).await;
     let snapshots = c.dir.path().join("n4").join("raft-snapshot");
     let size = std::fs::metadata(snapshots.join("current")).unwrap().len();
@@ -1078,7 +1092,7 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
         "{}",
         c.nodes[extra].log_text()
     );
-    replicated(&c, "big", 380, Duration::from_secs(60)).await;
+    replicated(&c, "big", u64::from(total), Duration::from_secs(60)).await;
     assert!(!snapshots.join("installing").exists());
     assert!(!snapshots.join("incoming").exists());
     assert!(snapshots.join("current").exists());
