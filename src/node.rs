@@ -928,20 +928,40 @@ mod tests {
         for path in &paths {
             let text = std::fs::read_to_string(path).unwrap();
             let allowed_conn = path.ends_with("conn/session.rs");
-            for (n, line) in text.lines().enumerate() {
-                let code = line.split("//").next().unwrap_or("");
+            // The code without its comments, line by line (a call may span lines).
+            let code: Vec<&str> = text
+                .lines()
+                .map(|line| line.split("//").next().unwrap_or(""))
+                .collect();
+            for (n, line) in code.iter().enumerate() {
                 for f in forbidden {
                     // The session builds its own caller, once, in `run_as`.
-                    if code.contains(f) && !(allowed_conn && f == "Caller::Conn {") {
+                    if line.contains(f) && !(allowed_conn && f == "Caller::Conn {") {
                         found.push(format!("{}:{}: {f}", path.display(), n + 1));
                     }
                 }
-                if code.contains(".execute(") {
-                    executes += 1;
-                    // A command value, never a closure.
-                    if code.contains('|') {
-                        found.push(format!("{}:{}: a closure", path.display(), n + 1));
-                    }
+            }
+            let joined = code.join("\n");
+            for (at, _) in joined.match_indices(".execute(") {
+                executes += 1;
+                // Its arguments, to the matching parenthesis: a command value, never a
+                // closure.
+                let args = &joined[at + ".execute(".len()..];
+                let mut depth = 1;
+                let end = args
+                    .char_indices()
+                    .find(|&(_, c)| {
+                        depth += match c {
+                            '(' => 1,
+                            ')' => -1,
+                            _ => 0,
+                        };
+                        depth == 0
+                    })
+                    .map_or(args.len(), |(i, _)| i);
+                if args[..end].contains('|') {
+                    let line = joined[..at].matches('\n').count() + 1;
+                    found.push(format!("{}:{line}: a closure", path.display()));
                 }
             }
         }

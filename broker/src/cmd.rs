@@ -339,6 +339,44 @@ impl Outcome {
     pub fn existed(&self) -> bool {
         matches!(self, Outcome::Existed(true))
     }
+
+    /// The answer of the command `cmd` that was not the kind it gives: a defect of the core,
+    /// which closes the connection with 541 INTERNAL_ERROR rather than carry on with a value
+    /// made up in its place.
+    fn unexpected(self, cmd: &str) -> AmqpError {
+        AmqpError::connection(
+            ReplyCode::InternalError,
+            format_args!("{cmd} was answered with {self:?}"),
+        )
+    }
+
+    /// [`Cmd::OpenConnection`]'s answer: the connection's id.
+    pub fn into_opened(self) -> Result<ConnId, AmqpError> {
+        match self {
+            Outcome::Opened(conn) => Ok(conn),
+            other => Err(other.unexpected("connection.open")),
+        }
+    }
+
+    /// [`Cmd::ReplyAddress`]'s answer: the channel's direct reply-to address.
+    pub fn into_address(self) -> Result<String, AmqpError> {
+        match self {
+            Outcome::Address(a) => Ok(a),
+            other => Err(other.unexpected("the reply address")),
+        }
+    }
+
+    /// [`Cmd::Publish`]'s answer: (rejected, staged, held).
+    pub fn into_published(self) -> Result<(bool, bool, Targets), AmqpError> {
+        match self {
+            Outcome::Published {
+                rejected,
+                staged,
+                held,
+            } => Ok((rejected, staged, held)),
+            other => Err(other.unexpected("basic.publish")),
+        }
+    }
 }
 
 /// A method for the caller's connection, written before the effects of its command.

@@ -854,6 +854,9 @@ fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
             }
         }
     }
+    // What the default user and the import set off (none reaches a client yet: none is
+    // served before this; a read a queue asked for is asked again by the timer).
+    shared.apply_effects(&mut fx);
     info!(node_id = rep.me, leader = %lid, "leading: serving clients");
     // The guard's drop parks the default users' journal for the first entry.
 }
@@ -869,6 +872,12 @@ fn update_addresses(
     learned: &net::Learned,
     updating: &Arc<AtomicBool>,
 ) {
+    // A membership change still on its way (an add, a promotion, a removal): openraft takes
+    // one at a time, so asking now would only fail (it did, on every metrics change).
+    let config_at = m.membership_config.log_id().map(|l| l.index);
+    if config_at > m.last_applied.map(|l| l.index) {
+        return;
+    }
     let membership = m.membership_config.membership();
     let mut changed: BTreeMap<NodeId, NodeInfo> = BTreeMap::new();
     let mut known = learned.lock().clone();
@@ -892,6 +901,8 @@ fn update_addresses(
             .await
         {
             warn!(error = %e, "putting the nodes' addresses in the membership failed");
+            // Asked again on a later metrics change, not at once.
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
         updating.store(false, Ordering::Release);
     });

@@ -275,6 +275,8 @@ async fn read_loop(
                     conn: session.conn,
                     outbox: None,
                 };
+                // Commands are values: each pass hands the core its own copy (a few queue
+                // ids, inline in the SmallVec: no allocation up to eight).
                 let queues = hold.clone();
                 let (holding, _) = shared.execute(caller, Cmd::Holding { queues });
                 if !matches!(holding, Ok(Outcome::Holding(true))) {

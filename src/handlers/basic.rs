@@ -190,13 +190,10 @@ impl Session {
         let (mut properties, mut raw_properties) = (content.properties, content.raw_properties);
         // Direct reply-to: the request carries this channel's reply address instead.
         if properties.reply_to().as_ref().map(|r| r.as_str()) == Some(crate::broker::REPLY_TO) {
-            let address = match self
+            let address = self
                 .run(Cmd::ReplyAddress { ch })
-                .map_err(|e| e.on(60, 40))?
-            {
-                Outcome::Address(a) => a,
-                _ => String::new(),
-            };
+                .and_then(Outcome::into_address)
+                .map_err(|e| e.on(60, 40))?;
             properties = properties.with_reply_to(address.as_str().into());
             raw_properties = warren_protocol::codec::encode_properties(&properties);
         }
@@ -264,21 +261,13 @@ impl Session {
         mandatory: bool,
         check: bool,
     ) -> Result<(bool, bool, crate::broker::Targets), AmqpError> {
-        let published = self
-            .run(Cmd::Publish {
-                ch,
-                msg,
-                mandatory,
-                check,
-            })
-            .map_err(|e| e.on(60, 40))?;
-        Ok(match published {
-            Outcome::Published {
-                rejected,
-                staged,
-                held,
-            } => (rejected, staged, held),
-            _ => (false, false, Default::default()),
+        self.run(Cmd::Publish {
+            ch,
+            msg,
+            mandatory,
+            check,
         })
+        .and_then(Outcome::into_published)
+        .map_err(|e| e.on(60, 40))
     }
 }

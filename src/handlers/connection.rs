@@ -332,13 +332,8 @@ impl Session {
             vhost: vhost.clone(),
             connection_max: self.shared.connection_max,
         });
-        let conn = match opened {
-            Ok(Outcome::Opened(conn)) => conn,
-            Ok(_) => {
-                return Err(
-                    AmqpError::connection(ReplyCode::InternalError, "no connection id").on(10, 40),
-                )
-            }
+        let conn = match opened.and_then(Outcome::into_opened) {
+            Ok(conn) => conn,
             Err(e) => {
                 info!(reason = %e.detail(), "connection.open refused");
                 return Err(e.on(10, 40));

@@ -263,7 +263,8 @@ fn arguments(m: &Map<String, Value>) -> Result<amq_protocol::types::FieldTable, 
 /// Import `doc` into the broker: users, vhosts, permissions, exchanges, queues, bindings, in
 /// that order (RabbitMQ's); into vhost `only` when given (then only its exchanges, queues and
 /// bindings, whose entries name no vhost); the importing user gets no permissions of their
-/// own (RabbitMQ). Parsed first: a malformed document changes nothing. As RabbitMQ 3.10 does, a queue or exchange not equivalent to the one there is left as it is, and a binding
+/// own (RabbitMQ). Parsed whole first: a malformed document changes nothing. As RabbitMQ 3.10
+/// does, a queue or exchange not equivalent to the one there is left as it is, and a binding
 /// whose end is missing is left out (each logged); anything else refused stops the import,
 /// with why, and what came before it stays.
 pub(crate) fn import_steps(
@@ -341,7 +342,10 @@ pub(crate) fn import_steps(
                 // (valid there) is kept as written and allows nothing here, said in the log,
                 // rather than stop the import (or the start, with --load-definitions).
                 if let Err(why) = crate::broker::permissions::check(&e) {
-                    tracing::warn!(%user, %vhost, permission = key, expression = %e, %why, "definitions: a permission expression Warren cannot evaluate allows nothing");
+                    tracing::warn!(
+                        %user, %vhost, permission = key, expression = %e, %why,
+                        "definitions: a permission expression Warren cannot evaluate allows nothing"
+                    );
                 }
                 exprs.push(e);
             }
@@ -500,7 +504,6 @@ async fn import_response(
             return super::not_found();
         }
     }
-    // RabbitMQ's import gives the importing user no permissions of its own.
     let steps = match import_steps(&doc, only) {
         Ok(steps) => steps,
         Err(why) => {
