@@ -341,13 +341,11 @@ impl Outcome {
     }
 
     /// The answer of the command `cmd` that was not the kind it gives: a defect of the core,
-    /// which closes the connection with 541 INTERNAL_ERROR rather than carry on with a value
-    /// made up in its place.
+    /// logged with what it was, which closes the connection with 541 INTERNAL_ERROR rather
+    /// than carry on with a value made up in its place.
     fn unexpected(self, cmd: &str) -> AmqpError {
-        AmqpError::connection(
-            ReplyCode::InternalError,
-            format_args!("{cmd} was answered with {self:?}"),
-        )
+        tracing::error!(command = cmd, answer = ?self, "the core answered with the wrong kind");
+        AmqpError::connection(ReplyCode::InternalError, "internal error")
     }
 
     /// [`Cmd::OpenConnection`]'s answer: the connection's id.
@@ -1187,7 +1185,12 @@ impl Broker {
                 vhost,
                 exchange,
             } => {
-                if self.topic_permissions(&user, &vhost).is_empty() {
+                // 404 unless there is one to clear: on that exchange, or any ("": all).
+                let there = self.topic_permissions(&user, &vhost);
+                if !there
+                    .iter()
+                    .any(|(x, _)| exchange.is_empty() || *x == exchange)
+                {
                     return Err(not_found());
                 }
                 let op = Op::ClearTopicPermissions {

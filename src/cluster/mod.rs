@@ -901,7 +901,7 @@ fn update_addresses(
             .await
         {
             warn!(error = %e, "putting the nodes' addresses in the membership failed");
-            // Asked again on a later metrics change, not at once.
+            // Asked again on a later metrics change or tick, not at once.
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
         updating.store(false, Ordering::Release);

@@ -531,7 +531,12 @@ pub async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_replicate_and_a_killed_leader_loses_no_confirmed_message() {
-    let mut c = Cluster::start(3);
+    // Heartbeats of 150 ms: with the default 50 ms a follower's fsync on a loaded 2-core CI
+    // machine outlasted openraft's AppendEntries window (one interval) often enough that the
+    // leader lost its 300 ms lease during the 1,990 publishes and closed the client (the
+    // README's known limit of `--raft-heartbeat-ms`). This test is about what a failover
+    // keeps, not how fast it is (scripts/failover.py measures that, at the default).
+    let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "150"]);
     let leader = c.leader(Duration::from_secs(20)).await;
     let follower = (leader + 1) % 3;
     // Every node reports the same group: three voters with their Raft, AMQP and HTTP
