@@ -1021,6 +1021,22 @@ def test_user_limits_are_answered_as_rabbitmq_answers_them():
         api("DELETE", "/api/users/" + q(user))
 
 
+def test_permissions_need_an_existing_user_and_vhost():
+    # RabbitMQ 3.10: 400 {"error": "bad_request", "reason": "vhost_or_user_not_found"}.
+    missing_user = unique("nobody")
+    body = json.dumps({"configure": ".*", "write": ".*", "read": ".*"}).encode()
+    topic = json.dumps({"exchange": "amq.topic", "write": ".*", "read": ".*"}).encode()
+    for path, data in [
+        ("/api/permissions/%2F/" + q(missing_user), body),
+        ("/api/permissions/" + q(unique("no-vhost")) + "/guest", body),
+        ("/api/topic-permissions/%2F/" + q(missing_user), topic),
+        ("/api/topic-permissions/" + q(unique("no-vhost")) + "/guest", topic),
+    ]:
+        status, answer, _ = api("PUT", path, data=data)
+        assert status == 400, path
+        assert answer == {"error": "bad_request", "reason": "vhost_or_user_not_found"}, path
+
+
 def test_topic_permissions_check_routing_keys_on_topic_exchanges():
     user = unique("topic-user")
     assert put_user(user, {"password": "pw", "tags": ""}) == 201

@@ -497,16 +497,6 @@ pub fn exchange_or_default(name: &str) -> &str {
     }
 }
 
-impl Broker {
-    /// Both a user and a vhost exist (permissions are set between the two).
-    fn user_and_vhost(&self, user: &str, vhost: &str) -> Result<(), AmqpError> {
-        if self.user(user).is_none() || !self.has_vhost(vhost) {
-            return Err(refused("vhost_or_user_not_found"));
-        }
-        Ok(())
-    }
-}
-
 /// A user's copy of their permissions in a vhost, looked up again whenever the broker's
 /// permissions changed (so a change applies to open connections at their next method; RabbitMQ
 /// caches checks per channel). Checked inside the command that makes the change, so the check
@@ -1142,7 +1132,7 @@ impl Broker {
                 write,
                 read,
             } => {
-                self.user_and_vhost(&user, &vhost)?;
+                // A missing user or vhost is refused by the apply (400).
                 let had = self.permissions(&user, &vhost).is_some();
                 let op = Op::SetPermissions {
                     user,
@@ -1161,7 +1151,7 @@ impl Broker {
                 write,
                 read,
             } => {
-                self.user_and_vhost(&user, &vhost)?;
+                // A missing user or vhost is refused by the apply (400).
                 let had = !self.topic_permissions(&user, &vhost).is_empty();
                 let op = Op::SetTopicPermissions {
                     user,
