@@ -432,7 +432,11 @@ fn rss_of(pid: u32) -> u64 {
 #[tokio::test]
 async fn the_memory_watermark_blocks_publishers_and_others_carry_on() {
     const WATERMARK: u64 = 160 << 20;
-    const MARGIN: u64 = 64 << 20;
+    // Past the watermark: what the allocator keeps of freed pages and what was in flight when
+    // the block began. 64 MiB was passed twice on a slower machine (271 MB against 259: start
+    // 35 + 160 + 64); without a watermark the publisher goes on to 500 MiB, so 96 still
+    // shows the bound.
+    const MARGIN: u64 = 96 << 20;
     let data = tempfile::tempdir().unwrap();
     let b = spawn_binary(
         data.path(),
