@@ -1,7 +1,12 @@
 //! The apply path: the one way replicated state changes, and the only writer of the journal.
-//! `Log` (`apply/log.rs`) can be written from this module alone (the compiler keeps it so):
-//! `apply`/`exec` for every op, and the few named entry points the delivery paths use for
-//! what they record beside a local step (`removed`, `record_enqueue`, `write_local`).
+//! `Log` (`apply/log.rs`) can be written from this module alone (the compiler keeps it so).
+//! Every replicated change is `apply` of its op, on the broker that decides it as on a
+//! replica: a publish (`apply_enqueue`: the same, with the message already decoded), and
+//! every removal of a kept message (`Broker::removed` gathers an ack's, a delivery's or a
+//! drop's into one `Op::Remove` per queue and applies it; here the messages left the ready
+//! list already, so it finds nothing to take, by binary search). Only local paging writes
+//! are not ops of the replicated stream: a spill (`write_local`) and the removal of a spilled
+//! transient message (`Broker::removed`), store writes alone.
 
 mod log;
 
@@ -22,17 +27,22 @@ fn set_limits(
     }
 }
 
-/// A message the store holds left queue `q` (acknowledged, delivered or got without an ack,
-/// dropped): the replicated `Remove` and its store write. The message already left the ready
-/// list on this broker (delivery is local); a replica applies the same `Remove` through `exec`.
-pub(crate) fn removed(log: &mut Log, q: &Queue, qm: &QueuedMessage) {
-    log.removed(q, qm);
-}
+/// Messages the store holds that left their queue on this broker (acknowledged, delivered or
+/// got without an ack, dropped), gathered by a delivery path while it holds the queue and
+/// recorded afterwards by [`Broker::removed`]: the removal of a replicated message through
+/// `apply` (an `Op::Remove` per queue), that of a transient message this broker spilled as a
+/// local store write.
+#[derive(Debug, Default)]
+pub(crate) struct Removals(Vec<(QueueId, bool, u64, u64)>);
 
-/// A published message the store keeps (`Op::Enqueue` listing the stored queues it reached):
-/// recorded as a replicated root and written. `exec` of the same op is what a replica does.
-pub(crate) fn record_enqueue(log: &mut Log, op: Op) {
-    log.root_and_write(op);
+impl Removals {
+    /// `qm` left queue `qid` (`q`): recorded if the store holds it.
+    pub(crate) fn add(&mut self, qid: QueueId, q: &Queue, qm: &QueuedMessage) {
+        if qm.stored {
+            let size = qm.msg.body.len() as u64;
+            self.0.push((qid, q.keeps(&qm.msg), q.store_key(qm), size));
+        }
+    }
 }
 
 /// A local paging write (`Op::Spill`): to the store, never to the replicated ops.
@@ -84,6 +94,38 @@ impl Broker {
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()
+    }
+
+    /// Record what left queues on this broker (`Removals`), one op per run of one queue's
+    /// messages: a replicated message's removal through `apply`, where it is the same change
+    /// a replica makes (it finds them ready there; here they left the ready list already); a
+    /// spilled transient message's as a store write alone (no replica has it).
+    pub(crate) fn removed(&mut self, removals: Removals, fx: &mut Vec<Effect>) {
+        let mut all = removals.0.into_iter().peekable();
+        while let Some((qid, replicated, key, size)) = all.next() {
+            let (mut keys, mut sizes) = (vec![key], vec![size]);
+            while let Some((_, _, key, size)) =
+                all.next_if(|(q, r, _, _)| *q == qid && *r == replicated)
+            {
+                keys.push(key);
+                sizes.push(size);
+            }
+            let Some(q) = self.replicated.queues.get(&qid) else {
+                continue;
+            };
+            let op = Op::Remove {
+                vhost: q.vhost.clone(),
+                queue: q.name.clone(),
+                keys,
+                sizes,
+            };
+            if replicated {
+                // A removal decides nothing that could fail.
+                let _ = self.apply(&op, fx);
+            } else {
+                self.log.write_removal(op);
+            }
+        }
     }
 
     // ---------------------------------------------------------------- the apply path
@@ -243,14 +285,11 @@ impl Broker {
                 }
             }
             Op::Enqueue {
-                vhost,
-                queues,
-                id,
-                timestamp_ms,
                 exchange,
                 routing_key,
                 properties,
                 body,
+                ..
             } => {
                 let msg = Arc::new(stored_message(
                     exchange,
@@ -258,16 +297,7 @@ impl Broker {
                     properties.clone(),
                     body.clone(),
                 )?);
-                let v = self.vhost(vhost)?;
-                let ids: Vec<QueueId> = queues
-                    .iter()
-                    .filter_map(|(n, _)| v.queues.get(&**n).copied())
-                    .collect();
-                self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
-                self.log.write(op.clone());
-                // Only the change: what a leader decides after it (deliveries, a TTL-0 drop,
-                // drop-head trimming, dead-lettering) comes as ops of its own.
-                self.enqueue(&ids, *id, *timestamp_ms, msg, false, fx);
+                self.exec_enqueue(op, msg)?;
             }
             Op::Remove {
                 vhost,
@@ -282,7 +312,7 @@ impl Broker {
                         q.remove_keys(keys, sizes);
                     }
                 }
-                self.log.write(op.clone());
+                self.log.write_removal(op.clone());
             }
             Op::RemoveRange {
                 vhost,
@@ -416,10 +446,44 @@ impl Broker {
         Ok(())
     }
 
-    /// Drop every ready message of a queue (`Op::Purge`). Delivered messages waiting for an
-    /// ack stay (in the store too): with none, the queue's whole keyspace goes (`Purge`);
-    /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
-    /// which is also what is replicated, since elsewhere those deliveries are ready messages.
+    /// `apply` of an `Op::Enqueue` whose message the caller has decoded already (the broker
+    /// serving the publish): the same root and the same change, without decoding the message
+    /// again. Returns what `enqueue` does (whether the publisher waits for the store, the
+    /// queues holding it past their window).
+    pub(crate) fn apply_enqueue(
+        &mut self,
+        op: &Op,
+        msg: Arc<Message>,
+    ) -> Result<(bool, Targets), AmqpError> {
+        self.log.root(op);
+        self.exec_enqueue(op, msg)
+    }
+
+    /// The change of an `Op::Enqueue` (`msg` is its message, decoded): into the queues it
+    /// lists, with its store write. Only the change: what the broker serving clients decides
+    /// after it (deliveries, a TTL-0 drop, drop-head trimming, dead-lettering) comes as ops
+    /// of its own.
+    fn exec_enqueue(&mut self, op: &Op, msg: Arc<Message>) -> Result<(bool, Targets), AmqpError> {
+        let Op::Enqueue {
+            vhost,
+            queues,
+            id,
+            timestamp_ms,
+            ..
+        } = op
+        else {
+            return Ok((false, Targets::new()));
+        };
+        let v = self.vhost(vhost)?;
+        let ids: Targets = queues
+            .iter()
+            .filter_map(|(n, _)| v.queues.get(&**n).copied())
+            .collect();
+        self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
+        self.log.write(op.clone());
+        Ok(self.enqueue(&ids, *id, *timestamp_ms, msg))
+    }
+
     /// Permissions are set between a user and a vhost that both exist: refused otherwise
     /// (PRECONDITION_FAILED, the management API's 400 with RabbitMQ's reason; an import
     /// stops on it, saying which entry).
@@ -433,6 +497,10 @@ impl Broker {
         Ok(())
     }
 
+    /// Drop every ready message of a queue (`Op::Purge`). Delivered messages waiting for an
+    /// ack stay (in the store too): with none, the queue's whole keyspace goes (`Purge`);
+    /// otherwise exactly what was ready, by key and by key range (`Remove`, `RemoveRange`),
+    /// which is also what is replicated, since elsewhere those deliveries are ready messages.
     fn purge_queue(&mut self, id: QueueId) {
         let Some(q) = self.replicated.queues.get_mut(&id) else {
             return;

@@ -24,6 +24,7 @@ pub mod view;
 
 use amq_protocol::protocol::basic::AMQPProperties;
 use amq_protocol::types::{AMQPValue, FieldTable};
+use apply::Removals;
 use bytes::Bytes;
 use exchange::{Dest, Exchange, ExchangeKind};
 use queue::{ConsumerKey, DropReason, Overflow, Pushed, Queue, QueueConsumer, QueuedMessage};
@@ -1111,9 +1112,11 @@ impl Broker {
                     continue;
                 };
                 let dropped = std::mem::take(&mut q.dropped);
-                for (m, _) in dropped.iter().filter(|(m, _)| m.stored) {
-                    apply::removed(&mut self.log, q, m);
+                let mut gone = Removals::default();
+                for (m, _) in &dropped {
+                    gone.add(qid, q, m);
                 }
+                self.removed(gone, fx);
                 for (m, reason) in dropped {
                     self.dead_letter(qid, &m, reason, fx);
                 }
@@ -1916,36 +1919,55 @@ impl Broker {
             accepted.push(*t);
         }
         let targets = &accepted[..];
-        if self.log.enabled() || self.log.recording() {
+        // The queues that keep it (and replicate it) get it through `apply`, as a replica
+        // does; the others (transient messages, queues that are not stored) are this
+        // broker's alone.
+        let kept: warren_storage::QueueLevels = targets
+            .iter()
+            .filter_map(|t| self.replicated.queues.get(t))
+            .filter(|q| q.keeps(&msg))
+            .map(|q| (q.name.clone(), q.level(&msg) as u8))
+            .collect();
+        let local: Targets = targets
+            .iter()
+            .filter(|t| {
+                self.replicated
+                    .queues
+                    .get(t)
+                    .is_some_and(|q| !q.keeps(&msg))
+            })
+            .copied()
+            .collect();
+        let (mut staged, mut held) = (false, Targets::new());
+        if !kept.is_empty() {
             // Names shared with the queues: no copy per message.
-            let mut stored_vhost = None;
-            let stored: warren_storage::QueueLevels = targets
+            let vhost = targets
                 .iter()
-                .filter_map(|t| self.replicated.queues.get(t))
-                .filter(|q| q.keeps(&msg))
-                .map(|q| {
-                    stored_vhost.get_or_insert_with(|| q.vhost.clone());
-                    (q.name.clone(), q.level(&msg) as u8)
-                })
-                .collect();
-            if let Some(vhost) = stored_vhost {
-                // The replicated change (`exec` of an `Enqueue` makes the same one).
-                apply::record_enqueue(
-                    &mut self.log,
-                    Op::Enqueue {
-                        vhost,
-                        queues: stored,
-                        id,
-                        timestamp_ms: self.local.now_ms,
-                        exchange: msg.exchange.clone(),
-                        routing_key: msg.routing_key.clone(),
-                        properties: msg.raw_properties.clone(),
-                        body: msg.body.clone(),
-                    },
-                );
+                .find_map(|t| self.replicated.queues.get(t))
+                .map(|q| q.vhost.clone())
+                .unwrap_or_default();
+            let op = Op::Enqueue {
+                vhost,
+                queues: kept,
+                id,
+                timestamp_ms: self.local.now_ms,
+                exchange: msg.exchange.clone(),
+                routing_key: msg.routing_key.clone(),
+                properties: msg.raw_properties.clone(),
+                body: msg.body.clone(),
+            };
+            // Only an unknown vhost fails, and the targets were routed in it.
+            if let Ok((s, h)) = self.apply_enqueue(&op, msg.clone()) {
+                staged = s;
+                held = h;
             }
         }
-        let (staged, held) = self.enqueue(targets, id, self.local.now_ms, msg, true, fx);
+        if !local.is_empty() {
+            let (s, h) = self.enqueue(&local, id, self.local.now_ms, msg.clone());
+            staged |= s;
+            held.extend(h);
+        }
+        self.decide_enqueued(targets, &msg, fx);
         PublishOutcome {
             routed: total,
             rejected,
@@ -2053,19 +2075,17 @@ impl Broker {
         Ok(())
     }
 
-    /// Put a message (published at `at` ms) into queues and, when this broker `decide`s (it
-    /// is the one serving clients, not replaying ops), hand it to consumers and apply the
-    /// queues' TTL-0 and drop-head rules. Returns
-    /// whether its publisher should wait for the store (`PublishOutcome::staged`) and the
-    /// queues that hold it past their window (`PublishOutcome::held`).
+    /// Put a message (published at `at` ms) into queues: the change alone (`exec` of an
+    /// `Op::Enqueue`, and a publish to queues that do not keep it). What the broker serving
+    /// clients decides next is `decide_enqueued`. Returns whether its publisher should wait
+    /// for the store (`PublishOutcome::staged`) and the queues that hold it past their window
+    /// (`PublishOutcome::held`).
     fn enqueue(
         &mut self,
         targets: &[QueueId],
         id: u64,
         at: u64,
         msg: Arc<Message>,
-        decide: bool,
-        fx: &mut Vec<Effect>,
     ) -> (bool, Targets) {
         let mut any_staged = false;
         let mut held = Targets::new();
@@ -2115,13 +2135,20 @@ impl Broker {
             if expires_at.is_some() {
                 self.local.expiring.insert(*qid);
             }
-            if !decide {
-                continue;
-            }
+        }
+        (any_staged, held)
+    }
+
+    /// What the broker serving clients decides once a message is in `targets` (replicas get
+    /// each decision as an op of its own): hand it to consumers, then apply the queues'
+    /// TTL-0 and drop-head rules (what they drop is settled by the caller).
+    fn decide_enqueued(&mut self, targets: &[QueueId], msg: &Message, fx: &mut Vec<Effect>) {
+        let at = self.local.now_ms;
+        for qid in targets {
             self.dispatch(*qid, fx);
             if let Some(q) = self.replicated.queues.get_mut(qid) {
                 // A message whose TTL is 0 reaches a consumer that is ready now, or nobody.
-                let mut dropped = if ttl == Some(0) {
+                let mut dropped = if q.ttl(msg) == Some(0) {
                     q.drop_expired(at)
                 } else {
                     0
@@ -2135,7 +2162,6 @@ impl Broker {
                 }
             }
         }
-        (any_staged, held)
     }
 
     /// Whether a publisher on connection `conn` held by `queues` (`PublishOutcome::held`)
@@ -2402,11 +2428,13 @@ impl Broker {
         let Broker {
             replicated: Replicated { queues, .. },
             local: Local { conns, dirty, .. },
-            log,
+            ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
             return;
         };
+        // What consumers without acks take leaves the store (recorded after the loop).
+        let mut gone = Removals::default();
         // With the node reading for us, nothing here reads the store: a head that must be
         // read first is asked for (`Effect::Read`) and deliveries wait for `read_done`.
         let asks = q.async_reads();
@@ -2496,9 +2524,7 @@ impl Broker {
             let msg = q.outgoing(&qm);
             if c.no_ack {
                 // Delivered without ack: gone from the queue, so gone from the store.
-                if qm.stored {
-                    apply::removed(log, q, &qm);
-                }
+                gone.add(id, q, &qm);
             } else {
                 c.unacked += 1;
                 ch.consumer_unacked += 1;
@@ -2526,6 +2552,7 @@ impl Broker {
         if q.released() {
             fx.push(Effect::Drained);
         }
+        self.removed(gone, fx);
     }
 
     // ---------------------------------------------------------------- get, ack, reject
@@ -2537,13 +2564,14 @@ impl Broker {
         vhost: &str,
         queue: &str,
         no_ack: bool,
+        fx: &mut Vec<Effect>,
     ) -> Result<Option<GetResult>, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
         let now = self.local.now_ms;
         let Broker {
             replicated: Replicated { queues, .. },
             local: Local { conns, dirty, .. },
-            log,
+            ..
         } = self;
         let Some(q) = queues.get_mut(&id) else {
             return Ok(None);
@@ -2569,9 +2597,10 @@ impl Broker {
             batch: qm.batch,
         };
         if no_ack {
-            if qm.stored {
-                apply::removed(log, q, &qm);
-            }
+            // Got without ack: gone from the queue, so gone from the store.
+            let mut gone = Removals::default();
+            gone.add(id, q, &qm);
+            self.removed(gone, fx);
         } else {
             q.local.unacked += 1;
             state.unacked.insert(
@@ -2711,21 +2740,24 @@ impl Broker {
                 touched.push(u.queue);
             }
         }
-        self.record_removals(taken.iter());
+        self.record_removals(taken.iter(), fx);
         self.dispatch_after_ack(conn, ch, touched, fx);
         Ok(())
     }
 
-    /// Journal the removal of settled persistent messages from stored queues.
-    fn record_removals<'a>(&mut self, settled: impl Iterator<Item = &'a Unacked>) {
+    /// Record the removal of settled messages the store holds (`Broker::removed`).
+    fn record_removals<'a>(
+        &mut self,
+        settled: impl Iterator<Item = &'a Unacked>,
+        fx: &mut Vec<Effect>,
+    ) {
+        let mut gone = Removals::default();
         for u in settled {
-            if !u.qm.stored {
-                continue;
-            }
             if let Some(q) = self.replicated.queues.get(&u.queue) {
-                apply::removed(&mut self.log, q, &u.qm);
+                gone.add(u.queue, q, &u.qm);
             }
         }
+        self.removed(gone, fx);
     }
 
     /// Dispatch the queues whose messages were settled, and, when a channel-wide limit is in
@@ -2769,7 +2801,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let taken = self.take_unacked(conn, ch, tag, multiple)?;
         if !requeue {
-            self.record_removals(taken.iter());
+            self.record_removals(taken.iter(), fx);
         }
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
         if !requeue {

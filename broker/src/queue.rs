@@ -494,7 +494,14 @@ impl Queue {
         let l = &mut self.levels[level];
         if stage && !hold {
             qm.stored = true;
-            l.staged.push_back((batch, qm));
+            // In id order, as `remove_id` searches it.
+            match l.staged.back() {
+                Some((_, last)) if last.id > qm.id => {
+                    let pos = l.staged.partition_point(|(_, m)| m.id < qm.id);
+                    l.staged.insert(pos, (batch, qm));
+                }
+                _ => l.staged.push_back((batch, qm)),
+            }
             self.paged_out += 1;
             self.release_written(level);
             return Pushed::Staged;
@@ -1197,67 +1204,92 @@ impl Queue {
         Ok(out)
     }
 
-    /// Take out the ready messages with these store keys (`Op::Remove` applied where it was
-    /// not decided: on the broker that decided it they had left the ready list already, and
-    /// nothing is found). Wherever they are: in memory, paged out after a requeue, staged, or
-    /// on disk. `sizes` are their body sizes, one per key, or empty if the remover did not
-    /// know them: those on disk are then read by key to learn them.
+    /// Take out the ready messages with these store keys (`Op::Remove`), wherever they are:
+    /// in memory, paged out after a requeue, staged, or on disk. On the broker that decided
+    /// the removal (an ack, a delivery without ack, a drop) the messages had left the ready
+    /// list already and nothing is found: each key costs a binary search of the level's parts
+    /// (each is in id order), not a scan, so the leader's acks stay cheap. `sizes` are their
+    /// body sizes, one per key, or empty if the remover did not know them: those on disk are
+    /// then read by key to learn them.
     pub fn remove_keys(&mut self, keys: &[u64], sizes: &[u64]) {
-        let mut sorted: Vec<(u64, Option<u64>)> = match sizes.len() == keys.len() {
-            true => keys
-                .iter()
-                .zip(sizes)
-                .map(|(k, s)| (*k, Some(*s)))
-                .collect(),
-            false => keys.iter().map(|k| (*k, None)).collect(),
-        };
-        sorted.sort_unstable_by_key(|(k, _)| *k);
-        for level in 0..self.levels.len() {
-            let lo = message_key(level as u8, 0);
-            let hi = message_key(level as u8, (1 << warren_storage::ID_BITS) - 1);
-            let in_level: Vec<(u64, Option<u64>)> = sorted
-                .iter()
-                .filter(|(k, _)| (lo..=hi).contains(k))
-                .map(|(k, s)| (warren_storage::key_id(*k), *s))
-                .collect();
-            if in_level.is_empty() {
+        let with_sizes = sizes.len() == keys.len();
+        // Per level touched on disk: the sizes known, and the keys whose size must be read.
+        let mut on_disk: Vec<(usize, Vec<u64>, Vec<u64>)> = Vec::new();
+        for (i, &key) in keys.iter().enumerate() {
+            let level = warren_storage::key_level(key) as usize;
+            if level >= self.levels.len() {
                 continue;
             }
-            let ids: Vec<u64> = in_level.iter().map(|(id, _)| *id).collect();
+            let id = warren_storage::key_id(key);
+            if self.remove_id(level, id) {
+                continue;
+            }
             let l = &self.levels[level];
-            let on_disk: Vec<(u64, Option<u64>)> = if l.disk_count > 0 {
-                in_level
-                    .iter()
-                    .filter(|(id, _)| (l.disk_first..=l.disk_last).contains(id))
-                    .copied()
-                    .collect()
-            } else {
-                Vec::new()
+            if l.disk_count == 0 || !(l.disk_first..=l.disk_last).contains(&id) {
+                // Not ready here (delivered already, on the broker that decided it).
+                continue;
+            }
+            let at = match on_disk.iter().position(|(lv, _, _)| *lv == level) {
+                Some(at) => at,
+                None => {
+                    on_disk.push((level, Vec::new(), Vec::new()));
+                    on_disk.len() - 1
+                }
             };
-            self.remove_in_level(level, |id| ids.binary_search(&id).is_ok());
-            if on_disk.is_empty() {
-                continue;
+            match with_sizes {
+                true => on_disk[at].1.push(sizes[i]),
+                false => on_disk[at].2.push(key),
             }
-            let known: Vec<u64> = on_disk.iter().filter_map(|(_, s)| *s).collect();
-            if known.len() == on_disk.len() {
-                // Sizes from the op: nothing to read (each id of the disk range not in memory
-                // is on disk: a message is removed once).
-                self.forget_on_disk(level, |_, _| Ok(known));
-                continue;
-            }
-            let on_disk: Vec<u64> = on_disk
-                .iter()
-                .map(|(id, _)| message_key(level as u8, *id))
-                .collect();
+        }
+        for (level, known, unknown) in on_disk {
+            // Each id of the disk range not found in memory is on disk: a message is removed
+            // once, so nothing is counted twice.
             self.forget_on_disk(level, |pager, q| {
-                pager.store.read_keys(&q.vhost, &q.name, &on_disk).map(|v| {
-                    v.into_iter()
-                        .flatten()
-                        .map(|m| m.body.len() as u64)
-                        .collect()
-                })
+                let mut all = known;
+                if !unknown.is_empty() {
+                    let read = pager.store.read_keys(&q.vhost, &q.name, &unknown)?;
+                    all.extend(read.into_iter().flatten().map(|m| m.body.len() as u64));
+                }
+                Ok(all)
             });
         }
+    }
+
+    /// Take the ready message `id` of a level out of memory, the paged-out requeued ones or
+    /// the staged ones (each in id order: binary search). Whether it was there.
+    fn remove_id(&mut self, level: usize, id: u64) -> bool {
+        let l = &mut self.levels[level];
+        let (size, held) = if let Ok(pos) = l.mem.binary_search_by_key(&id, |m| m.id) {
+            let Some(m) = l.mem.remove(pos) else {
+                return false;
+            };
+            (m.msg.body.len() as u64, true)
+        } else if let Ok(pos) = l.returned.binary_search_by_key(&id, |r| r.id) {
+            let Some(r) = l.returned.remove(pos) else {
+                return false;
+            };
+            if r.msg.is_some() {
+                l.returned_held -= 1;
+            }
+            if r.batch == UNASSIGNED {
+                l.returned_unassigned = l.returned_unassigned.saturating_sub(1);
+            }
+            (r.size, r.msg.is_some())
+        } else if let Ok(pos) = l.staged.binary_search_by_key(&id, |(_, m)| m.id) {
+            let Some((_, m)) = l.staged.remove(pos) else {
+                return false;
+            };
+            (m.msg.body.len() as u64, true)
+        } else {
+            return false;
+        };
+        self.count -= 1;
+        self.ready_bytes -= size;
+        if held {
+            self.mem_count -= 1;
+            self.mem_bytes -= size;
+        }
+        true
     }
 
     /// Take out the ready messages with store keys from `from` to `to` (inclusive:

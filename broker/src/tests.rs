@@ -150,15 +150,21 @@ fn requeued_messages_return_to_their_place_marked_redelivered() {
         b.publish("/", msg("", "q", &i.to_string()), &mut fx)
             .unwrap();
     }
-    let g1 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
-    let g2 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
+    let g1 = b
+        .get(c, 1, "/", "q", false, &mut Vec::new())
+        .unwrap()
+        .unwrap();
+    let g2 = b
+        .get(c, 1, "/", "q", false, &mut Vec::new())
+        .unwrap()
+        .unwrap();
     assert_eq!(g2.message_count, 3);
     b.reject(c, 1, g2.delivery_tag, false, true, &mut fx)
         .unwrap();
     b.reject(c, 1, g1.delivery_tag, false, true, &mut fx)
         .unwrap();
     let mut order = Vec::new();
-    while let Some(g) = b.get(c, 1, "/", "q", true).unwrap() {
+    while let Some(g) = b.get(c, 1, "/", "q", true, &mut Vec::new()).unwrap() {
         order.push((
             String::from_utf8_lossy(&g.msg.body.to_bytes()).into_owned(),
             g.redelivered,
@@ -446,9 +452,15 @@ fn ops_replay_to_the_same_state() {
     b.publish("/", msg("logs", "a.c", "x"), &mut fx).unwrap();
     let c = b.connection_open("/");
     b.channel_open(c, 1);
-    let first = b.get(c, 1, "/", "q", true).unwrap().unwrap();
+    let first = b
+        .get(c, 1, "/", "q", true, &mut Vec::new())
+        .unwrap()
+        .unwrap();
     assert_eq!(first.msg.body, b"hello");
-    let second = b.get(c, 1, "/", "q", true).unwrap().unwrap();
+    let second = b
+        .get(c, 1, "/", "q", true, &mut Vec::new())
+        .unwrap()
+        .unwrap();
     assert_eq!(second.msg.body, b"x");
 }
 
@@ -787,7 +799,10 @@ fn a_replica_takes_only_the_removals_of_replicated_messages() {
     };
     assert_eq!(count(&replica), (n as u64 / 2, 4 * n as u64 / 2));
     for i in 0..n {
-        let got = leader.get(c, 1, "/", "deep", true).unwrap().unwrap();
+        let got = leader
+            .get(c, 1, "/", "deep", true, &mut Vec::new())
+            .unwrap()
+            .unwrap();
         assert_eq!(got.msg.body, format!("{i:04}").as_bytes());
         if i % 100 == 99 {
             commit(&mut leader, &ls, &lw);
@@ -801,6 +816,134 @@ fn a_replica_takes_only_the_removals_of_replicated_messages() {
     ship(&mut leader, &mut replica, &mut fx);
     assert_eq!(count(&leader), (0, 0));
     assert_eq!(count(&replica), (0, 0));
+}
+
+/// The broker serving clients records acks, rejects and deliveries through `apply` of one
+/// `Op::Remove` per queue (`Broker::removed`): the messages left its ready list when they were
+/// delivered, so there the apply takes nothing (its counts stay right), while a replica
+/// applying the same ops takes them from memory, from disk and from the staged part, and
+/// reaches the same state. Requeues in between put messages back among the paged-out ones.
+#[test]
+fn the_leaders_removals_go_through_apply_and_leave_leader_and_replica_equal() {
+    let pager = |store: Arc<FlakyReads>, written: Arc<std::sync::atomic::AtomicU64>| queue::Pager {
+        store,
+        written,
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        async_reads: false,
+        clock: Default::default(),
+    };
+    let commit = |b: &mut Broker, s: &FlakyReads, w: &std::sync::atomic::AtomicU64| {
+        let ops = b.take_journal();
+        warren_storage::Store::write(s, &ops, false).unwrap();
+        w.store(b.journal_seq(), Ordering::Release);
+        b.release_written();
+    };
+    let (ls, lw) = (
+        Arc::new(FlakyReads::default()),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let (rs, rw) = (
+        Arc::new(FlakyReads::default()),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let (mut leader, c) = setup();
+    leader.enable_journal();
+    leader.record_ops();
+    leader.set_pager(pager(ls.clone(), lw.clone()));
+    let mut replica = Broker::new();
+    replica.enable_journal();
+    replica.set_pager(pager(rs.clone(), rw.clone()));
+    let mut fx = Vec::new();
+    leader
+        .queue_declare(
+            c,
+            "/",
+            QueueDeclare {
+                name: "q".into(),
+                durable: true,
+                ..Default::default()
+            },
+            &mut fx,
+        )
+        .unwrap();
+    let persistent = |i: usize| {
+        let properties = AMQPProperties::default().with_delivery_mode(2);
+        Arc::new(Message {
+            raw_properties: warren_protocol::codec::encode_properties(&properties),
+            properties,
+            ..Arc::into_inner(msg("", "q", &format!("{i:05}"))).unwrap()
+        })
+    };
+    let n = 3 * queue::WINDOW_MESSAGES;
+    for i in 0..n {
+        leader.publish("/", persistent(i), &mut fx).unwrap();
+        if i % 100 == 99 {
+            commit(&mut leader, &ls, &lw);
+        }
+    }
+    let ship = |leader: &mut Broker, replica: &mut Broker, fx: &mut Vec<Effect>| {
+        for op in leader.take_ops() {
+            replica.apply(&op, fx).unwrap();
+        }
+        commit(replica, &rs, &rw);
+    };
+    // Some of the last are still staged on both when the removals begin.
+    ship(&mut leader, &mut replica, &mut fx);
+    let count = |b: &Broker| {
+        let v = &b.queue_views(Some("/"))[0];
+        (
+            v.messages_ready + v.messages_unacknowledged,
+            v.messages_unacknowledged,
+        )
+    };
+    assert_eq!(count(&replica), (n as u64, 0));
+    fx.clear();
+    leader.qos(c, 1, 300, false, &mut fx);
+    leader
+        .consume(
+            c,
+            1,
+            "/",
+            "q",
+            "t",
+            false,
+            false,
+            &FieldTable::default(),
+            &mut fx,
+        )
+        .unwrap();
+    let mut acked = 0usize;
+    for round in 0.. {
+        assert!(round < 1000, "the queue never drained");
+        let got = delivered(&fx);
+        fx.clear();
+        if got.is_empty() {
+            break;
+        }
+        // The first ones acked (multiple), the last 20 requeued for the first rounds.
+        let requeue = if round < 8 { got.len().min(20) } else { 0 };
+        let (ack, back) = got.split_at(got.len() - requeue);
+        if let Some(last) = ack.last() {
+            leader.ack(c, 1, last.1, true, &mut fx).unwrap();
+            acked += ack.len();
+        }
+        for d in back {
+            leader.reject(c, 1, d.1, false, true, &mut fx).unwrap();
+        }
+        commit(&mut leader, &ls, &lw);
+        ship(&mut leader, &mut replica, &mut fx);
+        // The leader's ready and unacked messages are the replica's ready ones.
+        let (total, _) = count(&leader);
+        assert_eq!(total, (n - acked) as u64, "round {round}");
+        assert_eq!(count(&replica), (total, 0), "round {round}");
+    }
+    assert_eq!(acked, n);
+    assert_eq!(count(&leader), (0, 0));
+    assert_eq!(
+        replica.replicated_view().unwrap(),
+        leader.replicated_view().unwrap()
+    );
 }
 
 /// Every message of a quorum queue is stored and replicated, transient ones too (RabbitMQ's

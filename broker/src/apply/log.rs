@@ -7,7 +7,6 @@
 //!   alone, roots only. Applying them in order to another broker gives the same durable
 //!   state; a cascade is derived there again, never shipped, and no spill is ever in it.
 
-use crate::queue::{Queue, QueuedMessage};
 use crate::Journal;
 use warren_storage::Op;
 
@@ -40,11 +39,6 @@ impl Log {
         !self.writes.is_empty()
     }
 
-    /// Whether replicated ops are recorded (`Broker::record_ops`).
-    pub(crate) fn recording(&self) -> bool {
-        self.ops.is_some()
-    }
-
     /// A store write (`op` itself, a cascade's effect, or local paging).
     pub(super) fn write(&mut self, op: Op) {
         if self.enabled {
@@ -52,65 +46,48 @@ impl Log {
         }
     }
 
-    /// A replicated root op.
+    /// A removal's store write (`Op::Remove`), merged into the previous write when that
+    /// removes from the same queue (one write per queue for a run of acks).
+    pub(super) fn write_removal(&mut self, op: Op) {
+        if self.enabled && !merge_removal(self.writes.last_mut(), &op) {
+            self.writes.push(op);
+        }
+    }
+
+    /// A replicated root op; a removal merged into the previous root as `write_removal` does.
     pub(super) fn root(&mut self, op: &Op) {
         if let Some(ops) = &mut self.ops {
-            ops.push(op.clone());
-        }
-    }
-
-    /// Both: a replicated op that is also its own store write.
-    pub(super) fn root_and_write(&mut self, op: Op) {
-        self.root(&op);
-        self.write(op);
-    }
-
-    /// A message the store holds left queue `q` (acknowledged, delivered or got without an
-    /// ack, dropped): a `Remove`, merged into the previous op when that removes from the same
-    /// queue (one op per queue for a run of acks). Replicated only for a message whose
-    /// enqueue was (`Queue::keeps`): a transient message the store holds was
-    /// spilled there by this broker alone, and a replica that paged out takes the removal of
-    /// a message it does not have, by its size, from what it holds on disk.
-    pub(super) fn removed(&mut self, q: &Queue, qm: &QueuedMessage) {
-        let key = q.store_key(qm);
-        let size = qm.msg.body.len() as u64;
-        if self.enabled && !merge_removal(self.writes.last_mut(), q, key, size) {
-            self.writes.push(removal(q, key, size));
-        }
-        if !q.keeps(&qm.msg) {
-            return;
-        }
-        if let Some(ops) = &mut self.ops {
-            if !merge_removal(ops.last_mut(), q, key, size) {
-                ops.push(removal(q, key, size));
+            if !merge_removal(ops.last_mut(), op) {
+                ops.push(op.clone());
             }
         }
     }
 }
 
-fn removal(q: &Queue, key: u64, size: u64) -> Op {
-    Op::Remove {
-        vhost: q.vhost.clone(),
-        queue: q.name.clone(),
-        keys: vec![key],
-        sizes: vec![size],
+/// Append removal `op` to `last` when both remove from the same queue and both carry every
+/// key's size (a purge's removal has none). Two removals in a row from one queue are one.
+fn merge_removal(last: Option<&mut Op>, op: &Op) -> bool {
+    let (
+        Some(Op::Remove {
+            vhost,
+            queue,
+            keys,
+            sizes,
+        }),
+        Op::Remove {
+            vhost: v,
+            queue: q,
+            keys: k,
+            sizes: s,
+        },
+    ) = (last, op)
+    else {
+        return false;
+    };
+    if vhost != v || queue != q || sizes.len() != keys.len() || s.len() != k.len() {
+        return false;
     }
-}
-
-fn merge_removal(last: Option<&mut Op>, q: &Queue, key: u64, size: u64) -> bool {
-    if let Some(Op::Remove {
-        vhost,
-        queue,
-        keys,
-        sizes,
-    }) = last
-    {
-        // Sizes only while every key has one (a purge's removal has none).
-        if *vhost == q.vhost && *queue == q.name && sizes.len() == keys.len() {
-            keys.push(key);
-            sizes.push(size);
-            return true;
-        }
-    }
-    false
+    keys.extend_from_slice(k);
+    sizes.extend_from_slice(s);
+    true
 }
