@@ -17,6 +17,11 @@ use warren_storage::{Op, Store};
 pub struct Done {
     pub ticket: u64,
     pub ok: bool,
+    /// Not `ok` because this node stopped leading before the change was known committed: the
+    /// cluster may still commit it (another node may have its entry) or not. Nothing can be
+    /// said of it, so it is neither confirmed nor refused: the waiting connection closes with
+    /// 320 and its client reconnects to the new leader (a nack would claim it was not taken).
+    pub deposed: bool,
 }
 
 struct Request {
@@ -385,7 +390,11 @@ fn run(
         for r in batch.drain(..) {
             for (ticket, notify) in std::iter::once((r.ticket, r.notify)).chain(r.more) {
                 if let Some(n) = notify {
-                    let _ = n.send(Done { ticket, ok });
+                    let _ = n.send(Done {
+                        ticket,
+                        ok,
+                        deposed: false,
+                    });
                 }
             }
             if let Some(d) = r.done {

@@ -259,7 +259,11 @@ impl BrokerGuard<'_> {
                     "changes made on a node that does not lead were not stored: undone"
                 );
                 if let Some(n) = &self.notify {
-                    let _ = n.send(Done { ticket, ok: false });
+                    let _ = n.send(Done {
+                        ticket,
+                        ok: false,
+                        deposed: true,
+                    });
                 }
                 if let Err(e) = self.shared.rebuild_broker(&mut self.guard) {
                     tracing::error!(error = %e, "rebuilding the broker from the store failed; stopping");

@@ -938,6 +938,7 @@ pub fn demote(shared: &Arc<Shared>, rep: &Replication, why: &str) {
             let _ = n.send(Done {
                 ticket: part.ticket,
                 ok: false,
+                deposed: true,
             });
         }
     }

@@ -518,6 +518,10 @@ impl Session {
     /// waits for the store.
     pub fn flush_confirms(&mut self) {
         use amq_protocol::protocol::basic;
+        // After a connection.close nothing but close-ok may follow.
+        if self.phase != Phase::Open {
+            return;
+        }
         for (ch, chan) in self.channels.iter_mut() {
             if !chan.confirm || chan.closing {
                 continue;
@@ -558,6 +562,16 @@ impl Session {
 
     /// The committer finished `done.ticket` (and everything this connection submitted before).
     pub fn on_commit(&mut self, done: Done) {
+        if done.deposed {
+            // Its changes since the last commit may or may not be committed by the cluster:
+            // no reply, confirm or nack says either. 320, as for every client of a node
+            // that stops leading (before, a held reply closed with 541 and publishes were
+            // nacked, claiming they were not taken, first).
+            self.outbox.abandon_held();
+            self.force_close("leader changed: this node no longer leads; what was not confirmed yet may or may not have been committed");
+            self.commit_waits.clear();
+            return;
+        }
         if !done.ok && self.outbox.is_held() {
             // A declaration the client was about to be told is durable is not: that reply is
             // never sent, and the connection closes with 541 (issue 12: it used to close with

@@ -469,6 +469,9 @@ async fn change(
     if let Some(ticket) = ticket {
         while let Some(done) = rx.recv().await {
             if done.ticket >= ticket {
+                if done.deposed {
+                    return Err(ChangeError::Deposed);
+                }
                 if !done.ok {
                     return Err(ChangeError::Store);
                 }
@@ -500,6 +503,8 @@ fn created(result: Result<Outcome, ChangeError>) -> Response {
 enum ChangeError {
     Refused(AmqpError),
     Store,
+    /// The node stopped leading before the change was known committed (`Done::deposed`).
+    Deposed,
 }
 
 impl IntoResponse for ChangeError {
@@ -509,6 +514,14 @@ impl IntoResponse for ChangeError {
             ChangeError::Store => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 Json(json!({"error": "internal_error", "reason": "the store failed"})),
+            )
+                .into_response(),
+            ChangeError::Deposed => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(json!({
+                    "error": "leader_changed",
+                    "reason": "this node stopped leading before the change was committed; it may or may not have been: check, and retry on the new leader"
+                })),
             )
                 .into_response(),
         }

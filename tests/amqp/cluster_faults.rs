@@ -255,6 +255,11 @@ impl Stream {
                 after += 1;
                 into.after_stop.insert(body.clone());
             }
+            // Confirmed, or left unknown by the connection's end: never nacked (see above).
+            assert!(!matches!(r, Ok(false)), "{body} was nacked");
+            if let Err(e) = r {
+                assert!(!e.contains("INTERNAL_ERROR"), "{body}: {e}");
+            }
             if matches!(r, Ok(true)) {
                 assert!(
                     published < frozen,
@@ -395,6 +400,31 @@ async fn freeze_round(
         });
     }
     held.extend(round_held.iter().cloned());
+    // And a durable declare behind them, whose declare-ok waits for a commit that the frozen
+    // leader will never see: it must end with the 320 of a leader change, not a 541.
+    let declared: Arc<parking_lot::Mutex<Option<Result<(), String>>>> = Default::default();
+    if hold {
+        let (ch, declared) = (pch.clone(), declared.clone());
+        tokio::spawn(async move {
+            let r = tokio::time::timeout(
+                Duration::from_secs(20),
+                ch.queue_declare(
+                    format!("held-r{round}").as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                ),
+            )
+            .await;
+            *declared.lock() = Some(match r {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("no outcome within 20 s".into()),
+            });
+        });
+    }
 
     // A new leader among the other two serves within 3 s of the stop: the first confirm on
     // it, through a new connection.
@@ -496,11 +526,35 @@ async fn freeze_round(
             "{body} was confirmed by the deposed leader {:?} after SIGCONT",
             at.duration_since(resumed)
         );
+        // Neither confirmed nor refused: the new leader may have its entry. The connection
+        // closes (320) instead of a nack, which would say it was not taken.
+        assert!(
+            !matches!(r, Ok(false)),
+            "{body} was nacked by the deposed leader"
+        );
+        if let Err(e) = r {
+            assert!(!e.contains("INTERNAL_ERROR"), "{body}: {e}");
+        }
         let kind = match r {
             Ok(_) => "nack".to_owned(),
             Err(e) => e.clone(),
         };
         *kinds.entry(kind).or_default() += 1;
+    }
+    if hold {
+        wait_for(WAIT, "the held declare has no outcome", || {
+            declared.lock().is_some()
+        })
+        .await;
+        let r = declared.lock().clone().unwrap();
+        eprintln!("sigstop round {round}: held durable declare: {r:?}");
+        match r {
+            Ok(()) => panic!("a durable declare was answered by the frozen leader"),
+            Err(e) => assert!(
+                !e.contains("INTERNAL_ERROR"),
+                "the held durable declare ended with a 541: {e}"
+            ),
+        }
     }
     // Nothing delivered on its consumer since the stop.
     consuming.abort();
