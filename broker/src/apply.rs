@@ -96,14 +96,19 @@ impl Broker {
             .unwrap_or_default()
     }
 
-    /// Record what left queues on this broker (`Removals`), one op per run of one queue's
-    /// messages: a replicated message's removal through `apply`, where it is the same change
-    /// a replica makes (it finds them ready there; here they left the ready list already); a
-    /// spilled transient message's as a store write alone (no replica has it).
-    pub(crate) fn removed(&mut self, removals: Removals, fx: &mut Vec<Effect>) {
+    /// Record what left queues on this broker (`Removals`), one removal per run of one
+    /// queue's messages: a replicated message's is `apply` of an `Op::Remove` (`exec_remove`
+    /// with the queue already looked up: the same root, change and store write; here it finds
+    /// nothing to take, the messages left the ready list when they were delivered), a spilled
+    /// transient message's a store write alone (no replica has it).
+    pub(crate) fn removed(&mut self, removals: Removals) {
         let mut all = removals.0.into_iter().peekable();
+        let (mut keys, mut sizes): (SmallVec<[u64; 16]>, SmallVec<[u64; 16]>) = Default::default();
         while let Some((qid, replicated, key, size)) = all.next() {
-            let (mut keys, mut sizes) = (vec![key], vec![size]);
+            keys.clear();
+            sizes.clear();
+            keys.push(key);
+            sizes.push(size);
             while let Some((_, _, key, size)) =
                 all.next_if(|(q, r, _, _)| *q == qid && *r == replicated)
             {
@@ -113,19 +118,31 @@ impl Broker {
             let Some(q) = self.replicated.queues.get(&qid) else {
                 continue;
             };
-            let op = Op::Remove {
-                vhost: q.vhost.clone(),
-                queue: q.name.clone(),
-                keys,
-                sizes,
-            };
-            if replicated {
-                // A removal decides nothing that could fail.
-                let _ = self.apply(&op, fx);
-            } else {
-                self.log.write_removal(op);
+            let (vhost, name) = (q.vhost.clone(), q.name.clone());
+            match replicated {
+                true => self.exec_remove(&vhost, &name, Some(qid), &keys, &sizes, true),
+                false => self.log.removal(&vhost, &name, &keys, &sizes, false),
             }
         }
+    }
+
+    /// `Op::Remove` of `keys` from queue `name` (`qid`: it, if it exists here), with their
+    /// `sizes`: the root when `root` (`apply`), the change, the store write.
+    fn exec_remove(
+        &mut self,
+        vhost: &warren_storage::Name,
+        name: &warren_storage::Name,
+        qid: Option<QueueId>,
+        keys: &[u64],
+        sizes: &[u64],
+        root: bool,
+    ) {
+        if let Some(q) = qid.and_then(|id| self.replicated.queues.get_mut(&id)) {
+            // On the broker that decided it the messages had left the ready list already
+            // (delivered, dropped); elsewhere they leave it here.
+            q.remove_keys(keys, sizes);
+        }
+        self.log.removal(vhost, name, keys, sizes, root);
     }
 
     // ---------------------------------------------------------------- the apply path
@@ -285,6 +302,8 @@ impl Broker {
                 }
             }
             Op::Enqueue {
+                vhost,
+                queues,
                 exchange,
                 routing_key,
                 properties,
@@ -297,7 +316,12 @@ impl Broker {
                     properties.clone(),
                     body.clone(),
                 )?);
-                self.exec_enqueue(op, msg)?;
+                let v = self.vhost(vhost)?;
+                let ids: Targets = queues
+                    .iter()
+                    .filter_map(|(n, _)| v.queues.get(&**n).copied())
+                    .collect();
+                self.exec_enqueue(op.clone(), &ids, msg);
             }
             Op::Remove {
                 vhost,
@@ -305,14 +329,9 @@ impl Broker {
                 keys,
                 sizes,
             } => {
-                if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
-                    if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                        // On the broker that decided it the messages had left the ready list
-                        // already (delivered, dropped); elsewhere they leave it here.
-                        q.remove_keys(keys, sizes);
-                    }
-                }
-                self.log.write_removal(op.clone());
+                let qid = self.vhost(vhost)?.queues.get(&**queue).copied();
+                // Its root, if any, `apply` recorded.
+                self.exec_remove(vhost, queue, qid, keys, sizes, false);
             }
             Op::RemoveRange {
                 vhost,
@@ -446,42 +465,35 @@ impl Broker {
         Ok(())
     }
 
-    /// `apply` of an `Op::Enqueue` whose message the caller has decoded already (the broker
-    /// serving the publish): the same root and the same change, without decoding the message
-    /// again. Returns what `enqueue` does (whether the publisher waits for the store, the
+    /// `apply` of an `Op::Enqueue` whose message the caller has decoded and whose queues it
+    /// has looked up already (the broker serving the publish; `ids` are the queues `op`
+    /// lists, in its order): the same root and the same change, without decoding or looking
+    /// up again. Returns what `enqueue` does (whether the publisher waits for the store, the
     /// queues holding it past their window).
     pub(crate) fn apply_enqueue(
         &mut self,
-        op: &Op,
+        op: Op,
+        ids: &[QueueId],
         msg: Arc<Message>,
-    ) -> Result<(bool, Targets), AmqpError> {
-        self.log.root(op);
-        self.exec_enqueue(op, msg)
+    ) -> (bool, Targets) {
+        self.log.root(&op);
+        self.exec_enqueue(op, ids, msg)
     }
 
-    /// The change of an `Op::Enqueue` (`msg` is its message, decoded): into the queues it
-    /// lists, with its store write. Only the change: what the broker serving clients decides
-    /// after it (deliveries, a TTL-0 drop, drop-head trimming, dead-lettering) comes as ops
-    /// of its own.
-    fn exec_enqueue(&mut self, op: &Op, msg: Arc<Message>) -> Result<(bool, Targets), AmqpError> {
+    /// The change of an `Op::Enqueue` (`msg` is its message, decoded; `ids` its queues): into
+    /// those queues, with its store write. Only the change: what the broker serving clients
+    /// decides after it (deliveries, a TTL-0 drop, drop-head trimming, dead-lettering) comes
+    /// as ops of its own.
+    fn exec_enqueue(&mut self, op: Op, ids: &[QueueId], msg: Arc<Message>) -> (bool, Targets) {
         let Op::Enqueue {
-            vhost,
-            queues,
-            id,
-            timestamp_ms,
-            ..
+            id, timestamp_ms, ..
         } = op
         else {
-            return Ok((false, Targets::new()));
+            return (false, Targets::new());
         };
-        let v = self.vhost(vhost)?;
-        let ids: Targets = queues
-            .iter()
-            .filter_map(|(n, _)| v.queues.get(&**n).copied())
-            .collect();
         self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
-        self.log.write(op.clone());
-        Ok(self.enqueue(&ids, *id, *timestamp_ms, msg))
+        self.log.write(op);
+        self.enqueue(ids, id, timestamp_ms, msg)
     }
 
     /// Permissions are set between a user and a vhost that both exist: refused otherwise

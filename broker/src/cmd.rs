@@ -758,7 +758,7 @@ impl Broker {
                         return Ok((Outcome::Read(read), None));
                     }
                 }
-                let reply = match self.get(conn, ch, who.vhost, &queue, no_ack, fx)? {
+                let reply = match self.get(conn, ch, who.vhost, &queue, no_ack)? {
                     Some(r) => Reply {
                         channel: ch,
                         method: AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {

@@ -1116,7 +1116,7 @@ impl Broker {
                 for (m, _) in &dropped {
                     gone.add(qid, q, m);
                 }
-                self.removed(gone, fx);
+                self.removed(gone);
                 for (m, reason) in dropped {
                     self.dead_letter(qid, &m, reason, fx);
                 }
@@ -1922,30 +1922,27 @@ impl Broker {
         // The queues that keep it (and replicate it) get it through `apply`, as a replica
         // does; the others (transient messages, queues that are not stored) are this
         // broker's alone.
-        let kept: warren_storage::QueueLevels = targets
-            .iter()
-            .filter_map(|t| self.replicated.queues.get(t))
-            .filter(|q| q.keeps(&msg))
-            .map(|q| (q.name.clone(), q.level(&msg) as u8))
-            .collect();
-        let local: Targets = targets
-            .iter()
-            .filter(|t| {
-                self.replicated
-                    .queues
-                    .get(t)
-                    .is_some_and(|q| !q.keeps(&msg))
-            })
-            .copied()
-            .collect();
+        let (mut kept, mut kept_ids, mut local) = (
+            warren_storage::QueueLevels::new(),
+            Targets::new(),
+            Targets::new(),
+        );
+        let mut vhost = None;
+        for t in targets {
+            let Some(q) = self.replicated.queues.get(t) else {
+                continue;
+            };
+            if q.keeps(&msg) {
+                // Names shared with the queues: no copy per message.
+                vhost.get_or_insert_with(|| q.vhost.clone());
+                kept.push((q.name.clone(), q.level(&msg) as u8));
+                kept_ids.push(*t);
+            } else {
+                local.push(*t);
+            }
+        }
         let (mut staged, mut held) = (false, Targets::new());
-        if !kept.is_empty() {
-            // Names shared with the queues: no copy per message.
-            let vhost = targets
-                .iter()
-                .find_map(|t| self.replicated.queues.get(t))
-                .map(|q| q.vhost.clone())
-                .unwrap_or_default();
+        if let Some(vhost) = vhost {
             let op = Op::Enqueue {
                 vhost,
                 queues: kept,
@@ -1956,11 +1953,7 @@ impl Broker {
                 properties: msg.raw_properties.clone(),
                 body: msg.body.clone(),
             };
-            // Only an unknown vhost fails, and the targets were routed in it.
-            if let Ok((s, h)) = self.apply_enqueue(&op, msg.clone()) {
-                staged = s;
-                held = h;
-            }
+            (staged, held) = self.apply_enqueue(op, &kept_ids, msg.clone());
         }
         if !local.is_empty() {
             let (s, h) = self.enqueue(&local, id, self.local.now_ms, msg.clone());
@@ -2552,7 +2545,7 @@ impl Broker {
         if q.released() {
             fx.push(Effect::Drained);
         }
-        self.removed(gone, fx);
+        self.removed(gone);
     }
 
     // ---------------------------------------------------------------- get, ack, reject
@@ -2564,7 +2557,6 @@ impl Broker {
         vhost: &str,
         queue: &str,
         no_ack: bool,
-        fx: &mut Vec<Effect>,
     ) -> Result<Option<GetResult>, AmqpError> {
         let id = self.usable_queue(conn, vhost, queue)?;
         let now = self.local.now_ms;
@@ -2600,7 +2592,7 @@ impl Broker {
             // Got without ack: gone from the queue, so gone from the store.
             let mut gone = Removals::default();
             gone.add(id, q, &qm);
-            self.removed(gone, fx);
+            self.removed(gone);
         } else {
             q.local.unacked += 1;
             state.unacked.insert(
@@ -2740,24 +2732,20 @@ impl Broker {
                 touched.push(u.queue);
             }
         }
-        self.record_removals(taken.iter(), fx);
+        self.record_removals(taken.iter());
         self.dispatch_after_ack(conn, ch, touched, fx);
         Ok(())
     }
 
     /// Record the removal of settled messages the store holds (`Broker::removed`).
-    fn record_removals<'a>(
-        &mut self,
-        settled: impl Iterator<Item = &'a Unacked>,
-        fx: &mut Vec<Effect>,
-    ) {
+    fn record_removals<'a>(&mut self, settled: impl Iterator<Item = &'a Unacked>) {
         let mut gone = Removals::default();
         for u in settled {
             if let Some(q) = self.replicated.queues.get(&u.queue) {
                 gone.add(u.queue, q, &u.qm);
             }
         }
-        self.removed(gone, fx);
+        self.removed(gone);
     }
 
     /// Dispatch the queues whose messages were settled, and, when a channel-wide limit is in
@@ -2801,7 +2789,7 @@ impl Broker {
     ) -> Result<(), AmqpError> {
         let taken = self.take_unacked(conn, ch, tag, multiple)?;
         if !requeue {
-            self.record_removals(taken.iter(), fx);
+            self.record_removals(taken.iter());
         }
         let mut touched: Vec<QueueId> = Vec::with_capacity(1);
         if !requeue {

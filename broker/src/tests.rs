@@ -150,21 +150,15 @@ fn requeued_messages_return_to_their_place_marked_redelivered() {
         b.publish("/", msg("", "q", &i.to_string()), &mut fx)
             .unwrap();
     }
-    let g1 = b
-        .get(c, 1, "/", "q", false, &mut Vec::new())
-        .unwrap()
-        .unwrap();
-    let g2 = b
-        .get(c, 1, "/", "q", false, &mut Vec::new())
-        .unwrap()
-        .unwrap();
+    let g1 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
+    let g2 = b.get(c, 1, "/", "q", false).unwrap().unwrap();
     assert_eq!(g2.message_count, 3);
     b.reject(c, 1, g2.delivery_tag, false, true, &mut fx)
         .unwrap();
     b.reject(c, 1, g1.delivery_tag, false, true, &mut fx)
         .unwrap();
     let mut order = Vec::new();
-    while let Some(g) = b.get(c, 1, "/", "q", true, &mut Vec::new()).unwrap() {
+    while let Some(g) = b.get(c, 1, "/", "q", true).unwrap() {
         order.push((
             String::from_utf8_lossy(&g.msg.body.to_bytes()).into_owned(),
             g.redelivered,
@@ -452,15 +446,9 @@ fn ops_replay_to_the_same_state() {
     b.publish("/", msg("logs", "a.c", "x"), &mut fx).unwrap();
     let c = b.connection_open("/");
     b.channel_open(c, 1);
-    let first = b
-        .get(c, 1, "/", "q", true, &mut Vec::new())
-        .unwrap()
-        .unwrap();
+    let first = b.get(c, 1, "/", "q", true).unwrap().unwrap();
     assert_eq!(first.msg.body, b"hello");
-    let second = b
-        .get(c, 1, "/", "q", true, &mut Vec::new())
-        .unwrap()
-        .unwrap();
+    let second = b.get(c, 1, "/", "q", true).unwrap().unwrap();
     assert_eq!(second.msg.body, b"x");
 }
 
@@ -799,10 +787,7 @@ fn a_replica_takes_only_the_removals_of_replicated_messages() {
     };
     assert_eq!(count(&replica), (n as u64 / 2, 4 * n as u64 / 2));
     for i in 0..n {
-        let got = leader
-            .get(c, 1, "/", "deep", true, &mut Vec::new())
-            .unwrap()
-            .unwrap();
+        let got = leader.get(c, 1, "/", "deep", true).unwrap().unwrap();
         assert_eq!(got.msg.body, format!("{i:04}").as_bytes());
         if i % 100 == 99 {
             commit(&mut leader, &ls, &lw);

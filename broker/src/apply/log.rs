@@ -8,7 +8,7 @@
 //!   state; a cascade is derived there again, never shipped, and no spill is ever in it.
 
 use crate::Journal;
-use warren_storage::Op;
+use warren_storage::{Name, Op};
 
 #[derive(Debug, Default)]
 pub(crate) struct Log {
@@ -46,45 +46,67 @@ impl Log {
         }
     }
 
-    /// A removal's store write (`Op::Remove`), merged into the previous write when that
-    /// removes from the same queue (one write per queue for a run of acks).
-    pub(super) fn write_removal(&mut self, op: Op) {
-        if self.enabled && !merge_removal(self.writes.last_mut(), &op) {
-            self.writes.push(op);
+    /// A removal (`Op::Remove` of `keys` from `queue`, with their `sizes`): its store write,
+    /// and with `root` the replicated root too, each merged into the previous one when that
+    /// removes from the same queue (one op per queue for a run of acks). No op is built for
+    /// a removal that merges.
+    pub(super) fn removal(
+        &mut self,
+        vhost: &Name,
+        queue: &Name,
+        keys: &[u64],
+        sizes: &[u64],
+        root: bool,
+    ) {
+        let op = || Op::Remove {
+            vhost: vhost.clone(),
+            queue: queue.clone(),
+            keys: keys.to_vec(),
+            sizes: sizes.to_vec(),
+        };
+        if self.enabled && !merge_removal(self.writes.last_mut(), vhost, queue, keys, sizes) {
+            self.writes.push(op());
         }
-    }
-
-    /// A replicated root op; a removal merged into the previous root as `write_removal` does.
-    pub(super) fn root(&mut self, op: &Op) {
-        if let Some(ops) = &mut self.ops {
-            if !merge_removal(ops.last_mut(), op) {
-                ops.push(op.clone());
+        if let (true, Some(ops)) = (root, &mut self.ops) {
+            if !merge_removal(ops.last_mut(), vhost, queue, keys, sizes) {
+                ops.push(op());
             }
         }
     }
-}
 
-/// Append removal `op` to `last` when both remove from the same queue and both carry every
-/// key's size (a purge's removal has none). Two removals in a row from one queue are one.
-fn merge_removal(last: Option<&mut Op>, op: &Op) -> bool {
-    let (
-        Some(Op::Remove {
+    /// A replicated root op; a removal merged into the previous root as `removal` does.
+    pub(super) fn root(&mut self, op: &Op) {
+        let Some(ops) = &mut self.ops else {
+            return;
+        };
+        if let Op::Remove {
             vhost,
             queue,
             keys,
             sizes,
-        }),
-        Op::Remove {
-            vhost: v,
-            queue: q,
-            keys: k,
-            sizes: s,
-        },
-    ) = (last, op)
+        } = op
+        {
+            if merge_removal(ops.last_mut(), vhost, queue, keys, sizes) {
+                return;
+            }
+        }
+        ops.push(op.clone());
+    }
+}
+
+/// Append the removal of `keys` (with their `sizes`) from `queue` to `last` when that removes
+/// from the same queue and both carry every key's size (a purge's removal has none).
+fn merge_removal(last: Option<&mut Op>, vhost: &Name, queue: &Name, k: &[u64], s: &[u64]) -> bool {
+    let Some(Op::Remove {
+        vhost: v,
+        queue: q,
+        keys,
+        sizes,
+    }) = last
     else {
         return false;
     };
-    if vhost != v || queue != q || sizes.len() != keys.len() || s.len() != k.len() {
+    if v != vhost || q != queue || sizes.len() != keys.len() || s.len() != k.len() {
         return false;
     }
     keys.extend_from_slice(k);
