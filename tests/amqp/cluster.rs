@@ -431,8 +431,13 @@ impl Cluster {
 
 /// `warren ctl ARGS` against `node`: (success, stdout + stderr).
 fn ctl(node: &Node, args: &[&str]) -> (bool, String) {
+    ctl_at(node.http, args)
+}
+
+/// `warren ctl` against the management port `http`.
+fn ctl_at(http: u16, args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
-        .args(["ctl", "--url", &format!("http://127.0.0.1:{}", node.http)])
+        .args(["ctl", "--url", &format!("http://127.0.0.1:{http}")])
         .args(args)
         .output()
         .expect("run warren ctl");
@@ -997,7 +1002,9 @@ async fn a_grown_node_stopped_before_its_first_snapshot_makes_it_when_it_starts_
 }
 
 /// Issue 15: a snapshot larger than a Raft frame (64 MiB) reaches a new node in chunks, as a
-/// file; a node stopped part way through an install (its `installing` mark left) installs the
+/// file; a node killed part way through receiving it receives it whole again when it starts
+/// (the part it had is dropped); a node stopped part way through an install (its `installing`
+/// mark left) installs the
 /// same snapshot again when it starts (from the received file, which becomes the current
 /// snapshot only once installed); one whose snapshot file is damaged then refuses to
 /// start, saying why, rather than run on part of a snapshot.
@@ -1076,11 +1083,52 @@ async fn a_snapshot_larger_than_a_frame_travels_in_chunks_and_an_unfinished_inst
     c.nodes.push(node);
     let extra = c.nodes.len() - 1;
     let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
-    let (ok, out) = ctl(&c.nodes[leader], &["cluster", "add", "4", &raft]);
+    let snapshots = c.dir.path().join("n4").join("raft-snapshot");
+    // The add waits for the new node to catch up: it runs beside what follows.
+    let http = c.nodes[leader].http;
+    let adding = std::thread::spawn(move || ctl_at(http, &["cluster", "add", "4", &raft]));
+
+    // Killed part way through receiving the snapshot: it starts again with no part of it
+    // (the part received is dropped) and receives it whole from the leader, which retries.
+    let receiving = |dir: &std::path::Path| -> Vec<(String, u64)> {
+        std::fs::read_dir(dir)
+            .map(|d| {
+                d.filter_map(|e| {
+                    let e = e.ok()?;
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let size = e.metadata().ok()?.len();
+                    name.starts_with("receiving-").then_some((name, size))
+                })
+                .collect()
+            })
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !receiving(&snapshots).iter().any(|(_, size)| *size > 0) {
+        assert!(Instant::now() < deadline, "no snapshot transfer began");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Frozen mid-transfer (an install would have renamed the file), then killed.
+    c.nodes[extra].pause();
+    let part = receiving(&snapshots);
+    assert!(
+        !part.is_empty(),
+        "the transfer ended before the node could be cut off mid-way"
+    );
+    eprintln!("killed while receiving the snapshot: {part:?}");
+    c.nodes[extra].kill();
+    c.restart(extra);
+    let (ok, out) = tokio::task::spawn_blocking(move || adding.join().unwrap())
+        .await
+        .unwrap();
     assert!(ok, "{out}");
     replicated(&c, "big", u64::from(total), Duration::from_secs(60)).await;
     installed_a_snapshot(&c, extra).await;
-    let snapshots = c.dir.path().join("n4").join("raft-snapshot");
+    assert!(
+        receiving(&snapshots).is_empty(),
+        "a part of a transfer was left: {:?}",
+        receiving(&snapshots)
+    );
     let size = std::fs::metadata(snapshots.join("current")).unwrap().len();
     assert!(size > 64 << 20, "the snapshot file has {size} bytes");
 
