@@ -517,34 +517,43 @@ impl Broker {
         let Some(q) = self.replicated.queues.get_mut(&id) else {
             return;
         };
-        let (_, keys, ranges) = q.purge();
+        let purged = q.purge();
         if !q.has_storage() {
             return;
         }
         let replicated = q.is_stored();
         let (vhost, queue) = (q.vhost.clone(), q.name.clone());
-        let mut ops: Vec<Op> = Vec::new();
         if q.local.unacked == 0 {
-            ops.push(Op::Purge { vhost, queue });
-        } else {
-            if !keys.is_empty() {
-                ops.push(Op::Remove {
-                    vhost: vhost.clone(),
-                    queue: queue.clone(),
-                    keys,
-                    sizes: Vec::new(),
-                });
+            let op = Op::Purge { vhost, queue };
+            if replicated {
+                self.log.root(&op);
             }
-            for (from, to) in ranges {
-                ops.push(Op::RemoveRange {
-                    vhost: vhost.clone(),
-                    queue: queue.clone(),
-                    from,
-                    to,
-                });
-            }
+            self.log.write(op);
+            return;
         }
-        for op in ops {
+        // Exactly what was ready (elsewhere these deliveries are ready messages): the
+        // replicated messages by key with their sizes, the transient ones this broker spilled
+        // by key, in the store alone (F5: their removal is not replicated), and what is on
+        // disk or staged by key range.
+        let (keys, sizes): (Vec<u64>, Vec<u64>) = purged.kept.into_iter().unzip();
+        if !keys.is_empty() {
+            self.log.removal(&vhost, &queue, &keys, &sizes, replicated);
+        }
+        if !purged.local.is_empty() {
+            self.log.write(Op::Remove {
+                vhost: vhost.clone(),
+                queue: queue.clone(),
+                keys: purged.local,
+                sizes: Vec::new(),
+            });
+        }
+        for (from, to) in purged.ranges {
+            let op = Op::RemoveRange {
+                vhost: vhost.clone(),
+                queue: queue.clone(),
+                from,
+                to,
+            };
             if replicated {
                 self.log.root(&op);
             }

@@ -101,6 +101,18 @@ impl Level {
 /// write (`Queue::page_out_returned` gives it one).
 const UNASSIGNED: u64 = u64::MAX;
 
+/// What `Queue::purge` took, for its store writes: how many messages, the store keys of the
+/// replicated ones outside the disk part with their sizes (a replica takes them without
+/// reading its store), those of transient messages this broker spilled (no replica has them),
+/// and per level the key range from the disk part (or the staged one) on.
+#[derive(Debug, Default)]
+pub struct Purged {
+    pub count: usize,
+    pub kept: Vec<(u64, u64)>,
+    pub local: Vec<u64>,
+    pub ranges: Vec<(u64, u64)>,
+}
+
 /// A requeued message paged out of memory (see `Level::returned`): what the queue must know
 /// of it without its body.
 #[derive(Debug)]
@@ -113,6 +125,9 @@ struct Returned {
     expires_at: Option<u64>,
     /// The store has (or, once `batch` is written, will have) its record.
     stored: bool,
+    /// Replicated (`Queue::keeps` it, and its enqueue was recorded): not a transient
+    /// message this broker spilled. A purge replicates the removal of these alone.
+    kept: bool,
     /// The journal batch after whose write the store can give the message back.
     batch: u64,
     /// The message, kept until `batch` is written (or until it is delivered first).
@@ -912,12 +927,15 @@ impl Queue {
         } else {
             0
         };
+        let (stored_queue, quorum) = (self.is_stored(), self.quorum);
+        let keeps = |msg: &Message| stored_queue && (quorum || msg.persistent());
         for level in 0..self.levels.len() {
             let l = &mut self.levels[level];
             while head > WINDOW_MESSAGES || head_bytes > WINDOW_BYTES {
                 let Some(qm) = l.mem.pop_back() else {
                     break;
                 };
+                let kept = qm.stored && keeps(&qm.msg);
                 let size = qm.msg.body.len() as u64;
                 head -= 1;
                 head_bytes = head_bytes.saturating_sub(size);
@@ -935,6 +953,7 @@ impl Queue {
                     redelivered: qm.redelivered,
                     expires_at: qm.expires_at,
                     stored: true,
+                    kept,
                     batch,
                     msg: Some(qm.msg),
                 });
@@ -990,6 +1009,7 @@ impl Queue {
         self.mem_count += 1;
         self.mem_bytes += size;
         let level = self.level(&qm.msg);
+        let kept = qm.stored && self.keeps(&qm.msg);
         // Its id is below anything on disk or staged (it came from the head), but it may be
         // above requeued messages paged out before: then it goes among them, and
         // `page_out_returned` gives it a store write.
@@ -1006,6 +1026,7 @@ impl Queue {
                     redelivered: true,
                     expires_at: qm.expires_at,
                     stored: qm.stored,
+                    kept,
                     batch: UNASSIGNED,
                     msg: Some(qm.msg),
                 },
@@ -1511,18 +1532,27 @@ impl Queue {
     /// Drop every ready message; returns how many, and the store keys of the dropped ones the
     /// store holds: in-memory ones one by one, and per level the range from the first on disk
     /// or staged onwards (`(from, to)` keys).
-    pub fn purge(&mut self) -> (usize, Vec<u64>, Vec<(u64, u64)>) {
+    pub fn purge(&mut self) -> Purged {
         self.read_epoch += 1;
-        let n = self.count;
-        let mut keys = Vec::new();
-        let mut ranges = Vec::new();
+        let mut purged = Purged {
+            count: self.count,
+            ..Default::default()
+        };
         for level in 0..self.levels.len() {
             let l = &self.levels[level];
             for m in l.mem.iter().filter(|m| m.stored) {
-                keys.push(message_key(level as u8, m.id));
+                let key = message_key(level as u8, m.id);
+                match self.keeps(&m.msg) {
+                    true => purged.kept.push((key, m.msg.body.len() as u64)),
+                    false => purged.local.push(key),
+                }
             }
             for r in l.returned.iter().filter(|r| r.stored) {
-                keys.push(message_key(level as u8, r.id));
+                let key = message_key(level as u8, r.id);
+                match r.kept {
+                    true => purged.kept.push((key, r.size)),
+                    false => purged.local.push(key),
+                }
             }
             let first = if l.disk_count > 0 {
                 Some(l.disk_first)
@@ -1530,7 +1560,7 @@ impl Queue {
                 l.staged.front().map(|(_, m)| m.id)
             };
             if let Some(first) = first {
-                ranges.push((
+                purged.ranges.push((
                     message_key(level as u8, first),
                     message_key(level as u8, (1 << warren_storage::ID_BITS) - 1),
                 ));
@@ -1541,7 +1571,7 @@ impl Queue {
         self.ready_bytes = 0;
         self.mem_count = 0;
         self.mem_bytes = 0;
-        (n, keys, ranges)
+        purged
     }
 
     pub fn remove_consumer(&mut self, key: &ConsumerKey) -> bool {

@@ -931,6 +931,164 @@ fn the_leaders_removals_go_through_apply_and_leave_leader_and_replica_equal() {
     );
 }
 
+/// A purge while deliveries wait for their acks removes exactly what was ready. Past the
+/// window the leader holds persistent messages and transient ones it spilled to its own
+/// store: the purge's replicated removal names only persistent ones, each with its size (a
+/// replica reads nothing to learn them), and the spilled ones' removal stays in the leader's
+/// store. The replica is left with the unacknowledged persistent messages, then nothing.
+#[test]
+fn a_purge_replicates_the_removal_of_replicated_messages_alone_with_their_sizes() {
+    let pager = |store: Arc<FlakyReads>, written: Arc<std::sync::atomic::AtomicU64>| queue::Pager {
+        store,
+        written,
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        async_reads: false,
+        clock: Default::default(),
+    };
+    let commit = |b: &mut Broker, s: &FlakyReads, w: &std::sync::atomic::AtomicU64| {
+        let ops = b.take_journal();
+        warren_storage::Store::write(s, &ops, false).unwrap();
+        w.store(b.journal_seq(), Ordering::Release);
+        b.release_written();
+    };
+    let (ls, lw) = (
+        Arc::new(FlakyReads::default()),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let (rs, rw) = (
+        Arc::new(FlakyReads::default()),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let (mut leader, c) = setup();
+    leader.enable_journal();
+    leader.record_ops();
+    leader.set_pager(pager(ls.clone(), lw.clone()));
+    let mut replica = Broker::new();
+    replica.enable_journal();
+    replica.set_pager(pager(rs.clone(), rw.clone()));
+    let mut fx = Vec::new();
+    leader
+        .queue_declare(
+            c,
+            "/",
+            QueueDeclare {
+                name: "q".into(),
+                durable: true,
+                ..Default::default()
+            },
+            &mut fx,
+        )
+        .unwrap();
+    // Even numbers persistent, odd ones transient.
+    let n = 3 * queue::WINDOW_MESSAGES;
+    for i in 0..n {
+        let m = match i % 2 {
+            0 => {
+                let properties = AMQPProperties::default().with_delivery_mode(2);
+                Arc::new(Message {
+                    raw_properties: warren_protocol::codec::encode_properties(&properties),
+                    properties,
+                    ..Arc::into_inner(msg("", "q", &format!("{i:05}"))).unwrap()
+                })
+            }
+            _ => msg("", "q", &format!("{i:05}")),
+        };
+        leader.publish("/", m, &mut fx).unwrap();
+        if i % 100 == 99 {
+            commit(&mut leader, &ls, &lw);
+        }
+    }
+    commit(&mut leader, &ls, &lw);
+    let ship = |leader: &mut Broker, replica: &mut Broker| -> Vec<Op> {
+        let ops = leader.take_ops();
+        for op in &ops {
+            replica.apply(op, &mut Vec::new()).unwrap();
+        }
+        commit(replica, &rs, &rw);
+        ops
+    };
+    ship(&mut leader, &mut replica);
+    let persistent: std::collections::BTreeSet<u64> = replica.replicated_view().unwrap().queues[0]
+        .messages
+        .iter()
+        .map(|m| m.key)
+        .collect();
+    assert_eq!(persistent.len(), n / 2);
+    // Got past the first window: the head is read back from the store, spilled transient
+    // messages among it.
+    for _ in 0..queue::WINDOW_MESSAGES + 200 {
+        leader.get(c, 1, "/", "q", true).unwrap().unwrap();
+    }
+    commit(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica);
+
+    // 10 delivered and unacknowledged, then the purge.
+    fx.clear();
+    leader.qos(c, 1, 10, false, &mut fx);
+    leader
+        .consume(
+            c,
+            1,
+            "/",
+            "q",
+            "t",
+            false,
+            false,
+            &FieldTable::default(),
+            &mut fx,
+        )
+        .unwrap();
+    let got = delivered(&fx);
+    assert_eq!(got.len(), 10);
+    leader
+        .apply(
+            &Op::Purge {
+                vhost: "/".into(),
+                queue: "q".into(),
+            },
+            &mut fx,
+        )
+        .unwrap();
+    commit(&mut leader, &ls, &lw);
+    let ops = ship(&mut leader, &mut replica);
+    let mut by_key = 0;
+    for op in &ops {
+        if let Op::Remove { keys, sizes, .. } = op {
+            assert_eq!(
+                sizes.len(),
+                keys.len(),
+                "a replicated removal without sizes"
+            );
+            for k in keys {
+                assert!(
+                    persistent.contains(k),
+                    "the removal of {k}, not replicated, was"
+                );
+            }
+            by_key += keys.len();
+        }
+    }
+    assert!(by_key > 0, "nothing removed by key: {ops:?}");
+    let count = |b: &Broker| b.queue_views(Some("/"))[0].messages_ready;
+    assert_eq!(count(&leader), 0);
+    let unacked_persistent = got
+        .iter()
+        .filter(|d| d.3.parse::<u32>().unwrap() % 2 == 0)
+        .count() as u64;
+    assert_eq!(count(&replica), unacked_persistent);
+
+    // Acked: nothing is left anywhere.
+    leader.ack(c, 1, got[9].1, true, &mut fx).unwrap();
+    commit(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica);
+    assert_eq!(count(&replica), 0);
+    assert_eq!(
+        replica.replicated_view().unwrap(),
+        leader.replicated_view().unwrap()
+    );
+}
+
 /// Every message of a quorum queue is stored and replicated, transient ones too (RabbitMQ's
 /// quorum queues keep them in their log); a transient message of a durable classic queue is
 /// not.
