@@ -2149,6 +2149,10 @@ impl Broker {
                 // drop-head: the new message is in; the oldest go until within the limits.
                 if q.overflow == Overflow::DropHead {
                     dropped += q.trim_to_limits();
+                    // The next head asked for ahead, read outside the lock (issue 13 point 5).
+                    if let Some(plan) = q.prefetch_read() {
+                        ReadRequest::ask(*qid, q, plan, at, fx);
+                    }
                 }
                 if dropped > 0 {
                     self.local.dirty.push(*qid);

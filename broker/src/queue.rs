@@ -1123,6 +1123,43 @@ impl Queue {
         None
     }
 
+    /// For a drop-head queue with a length limit, whose publishes each take its head: the
+    /// read of the next batch from disk, asked of the node while the in-memory head still has
+    /// half a batch, so that the head is there before a publish needs it (a publish that finds
+    /// it empty reads the store itself, under the broker lock). None when nothing is to be
+    /// read ahead: another kind of queue, no reads through the node, the head empty (the
+    /// delivery paths ask then) or full enough, requeued messages paged out first, or nothing
+    /// on disk.
+    pub fn prefetch_read(&mut self) -> Option<ReadPlan> {
+        if self.overflow != Overflow::DropHead
+            || (self.max_length.is_none() && self.max_length_bytes.is_none())
+            || !self.async_reads()
+        {
+            return None;
+        }
+        let level = (0..self.levels.len())
+            .rev()
+            .find(|&l| self.levels[l].len() > 0)?;
+        self.release_written(level);
+        let l = &self.levels[level];
+        if l.mem.is_empty()
+            || l.mem.len() >= READ_MESSAGES / 2
+            || !l.returned.is_empty()
+            || l.disk_count == 0
+        {
+            return None;
+        }
+        Some(ReadPlan {
+            level,
+            epoch: self.read_epoch,
+            what: ReadWhat::Range {
+                from: message_key(level as u8, l.disk_first),
+                to: message_key(level as u8, l.disk_last),
+                want: (l.disk_count as usize).min(READ_MESSAGES),
+            },
+        })
+    }
+
     /// Whether the node should be asked for `plan` now: not if the same read is pending and
     /// was asked for less than `READ_ASK_AGAIN_MS` ago (`now`, broker clock ms).
     pub fn ask_read(&mut self, plan: &ReadPlan, now: u64) -> bool {

@@ -1089,6 +1089,92 @@ fn a_purge_replicates_the_removal_of_replicated_messages_alone_with_their_sizes(
     );
 }
 
+/// A drop-head queue longer than its window drops its head on every publish once full. With
+/// reads through the node, the next batch of its head is asked for ahead (read here by the
+/// test, as the node does, outside the broker), so no publish reads the store itself under
+/// the broker lock; what stays is the newest, in order.
+#[test]
+fn a_drop_head_queue_asks_for_its_head_ahead_and_publishes_read_nothing() {
+    let store = Arc::new(FlakyReads::default());
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (mut b, c) = setup();
+    b.enable_journal();
+    b.set_pager(queue::Pager {
+        store: store.clone(),
+        written: written.clone(),
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        async_reads: true,
+        clock: Default::default(),
+    });
+    let commit = |b: &mut Broker| {
+        let ops = b.take_journal();
+        warren_storage::Store::write(&*store, &ops, false).unwrap();
+        written.store(b.journal_seq(), Ordering::Release);
+        b.release_written();
+    };
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(3000));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("drop-head".into()),
+    );
+    let mut fx = Vec::new();
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "dh".into(),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let persistent = |i: usize| {
+        let properties = AMQPProperties::default().with_delivery_mode(2);
+        Arc::new(Message {
+            raw_properties: warren_protocol::codec::encode_properties(&properties),
+            properties,
+            ..Arc::into_inner(msg("", "dh", &format!("{i:05}"))).unwrap()
+        })
+    };
+    let (mut in_publishes, mut asked) = (0, 0);
+    for i in 0..6000 {
+        fx.clear();
+        let before = store.reads.load(Ordering::SeqCst);
+        b.publish("/", persistent(i), &mut fx).unwrap();
+        in_publishes += store.reads.load(Ordering::SeqCst) - before;
+        // The node's part: what was asked for, read and handed back.
+        let reads: Vec<ReadRequest> = fx
+            .drain(..)
+            .filter_map(|e| match e {
+                Effect::Read(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        for r in reads {
+            asked += 1;
+            let data = r.plan.read(&*store, &r.vhost, &r.name);
+            b.read_done(&r, data, &mut fx);
+        }
+        if i % 100 == 99 {
+            commit(&mut b);
+        }
+    }
+    assert!(asked > 0, "nothing was asked ahead");
+    assert_eq!(
+        in_publishes, 0,
+        "publishes read the store ({asked} reads asked ahead)"
+    );
+    assert_eq!(b.queue_info("/", "dh").unwrap().message_count, 3000);
+    for i in 3000..3010 {
+        let got = b.get(c, 1, "/", "dh", true).unwrap().unwrap();
+        assert_eq!(got.msg.body, format!("{i:05}").as_bytes());
+    }
+}
+
 /// Every message of a quorum queue is stored and replicated, transient ones too (RabbitMQ's
 /// quorum queues keep them in their log); a transient message of a durable classic queue is
 /// not.
