@@ -942,6 +942,14 @@ pub fn demote(shared: &Arc<Shared>, rep: &Replication, why: &str) {
             });
         }
     }
+    // Deliveries held for entries not known committed never go out: dropped now, under the
+    // broker lock, before this node applies the next leader's entries (whose batch numbers
+    // would release them) and before each connection gets to its close (`force_close` drops
+    // them too).
+    for o in shared.outboxes.read().values() {
+        o.abandon_held();
+    }
+    rep.held.lock().clear();
     for c in shared.registry.list() {
         c.close(format!("leader changed: node {} no longer leads", rep.me));
     }

@@ -463,11 +463,17 @@ impl Session {
         self.phase = Phase::Closing;
     }
 
-    /// Broker shutdown: 320 CONNECTION_FORCED.
+    /// 320 CONNECTION_FORCED (broker shutdown, a leader change, the API, a deleted user or
+    /// vhost). What the outbox holds back for a commit is dropped first: the close goes out
+    /// now, and nothing held goes after it. On a leader that stopped leading those are
+    /// deliveries of entries that may never be committed: released later (as it applies the
+    /// new leader's entries, by batch number) they reached the client before the close, a
+    /// message delivered that the cluster never had. Unacked, they come back anyway.
     pub fn force_close(&mut self, reason: &str) {
         if self.phase == Phase::Closing {
             return;
         }
+        self.outbox.abandon_held();
         let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
         self.outbox.method(0, &e.close_method());
         self.phase = Phase::Closing;
@@ -567,7 +573,6 @@ impl Session {
             // no reply, confirm or nack says either. 320, as for every client of a node
             // that stops leading (before, a held reply closed with 541 and publishes were
             // nacked, claiming they were not taken, first).
-            self.outbox.abandon_held();
             self.force_close("leader changed: this node no longer leads; what was not confirmed yet may or may not have been committed");
             self.commit_waits.clear();
             return;

@@ -136,6 +136,11 @@ async fn frozen_leaders(hold: bool) {
     assert_eq!(set.len(), got.len(), "a streamed message twice");
     let lost: Vec<_> = streamed.acked.difference(&set).collect();
     assert!(lost.is_empty(), "streamed, confirmed and lost: {lost:?}");
+    let uncommitted: Vec<_> = streamed.delivered.difference(&set).collect();
+    assert!(
+        uncommitted.is_empty(),
+        "delivered by a leader and not in the queue (never committed): {uncommitted:?}"
+    );
     let resurrected: Vec<_> = streamed.after_stop.intersection(&set).collect();
     assert!(
         resurrected.is_empty(),
@@ -166,6 +171,9 @@ struct Streamed {
     late: usize,
     /// Published once the leader was frozen (none may be confirmed or kept).
     after_stop: BTreeSet<String>,
+    /// Delivered to a consumer on the leader (never acked, so each is in the queue at the
+    /// end: a leader delivers only what is committed).
+    delivered: BTreeSet<String>,
 }
 
 /// A publisher on its own connection to a leader, on `fence-stream` (no consumer), one
@@ -177,10 +185,38 @@ struct Stream {
     /// Each body and when its publish began.
     sent: Arc<parking_lot::Mutex<Vec<(String, Instant)>>>,
     outcomes: Arc<parking_lot::Mutex<Vec<Outcome>>>,
+    /// A consumer of the stream on the same leader (manual acks, never sent), and how its
+    /// connection ended: deliveries of entries not yet committed wait in its outbox when the
+    /// leader freezes.
+    consumer: tokio::task::JoinHandle<(Vec<String>, Option<String>)>,
 }
 
 impl Stream {
     async fn start(url: &str, round: u32) -> Stream {
+        let cons = connect(url).await;
+        let mut deliveries = cons
+            .create_channel()
+            .await
+            .unwrap()
+            .basic_consume(
+                "fence-stream".into(),
+                format!("stream-{round}").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let consumer = tokio::spawn(async move {
+            let _cons = cons;
+            let mut got = Vec::new();
+            loop {
+                match deliveries.next().await {
+                    Some(Ok(d)) => got.push(String::from_utf8_lossy(&d.data).into_owned()),
+                    Some(Err(e)) => return (got, Some(e.to_string())),
+                    None => return (got, None),
+                }
+            }
+        });
         let conn = connect(url).await;
         let ch = confirm_channel(&conn).await;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -231,6 +267,7 @@ impl Stream {
             task,
             sent,
             outcomes,
+            consumer,
         }
     }
 
@@ -275,6 +312,22 @@ impl Stream {
             }
         }
         into.late += late;
+        // Its consumer's connection ended with the 320 of a leader change, not cut without a
+        // close (the close written behind deliveries held for commits that never came).
+        let (got, ended) = tokio::time::timeout(Duration::from_secs(10), self.consumer)
+            .await
+            .expect("the stream's consumer is still connected")
+            .unwrap();
+        eprintln!(
+            "sigstop round {round}: stream consumer got {}, ended: {ended:?}",
+            got.len()
+        );
+        into.delivered.extend(got);
+        let ended = ended.unwrap_or_default();
+        assert!(
+            ended.contains("CONNECTION_FORCED"),
+            "the stream's consumer ended without a 320: {ended}"
+        );
         eprintln!(
             "sigstop round {round}: stream: {} published, {acked} confirmed ({late} after \
              SIGCONT), {after} published into the frozen leader",
