@@ -464,16 +464,14 @@ impl Session {
     }
 
     /// 320 CONNECTION_FORCED (broker shutdown, a leader change, the API, a deleted user or
-    /// vhost). What the outbox holds back for a commit is dropped first: the close goes out
-    /// now, and nothing held goes after it. On a leader that stopped leading those are
-    /// deliveries of entries that may never be committed: released later (as it applies the
-    /// new leader's entries, by batch number) they reached the client before the close, a
-    /// message delivered that the cluster never had. Unacked, they come back anyway.
+    /// vhost). Written behind what the outbox holds for a commit: on a healthy node that
+    /// goes out first (a declare-ok, deliveries and confirms already promised). A node that
+    /// stops leading drops what it holds before this (`cluster` demotion, `on_commit` of a
+    /// deposed commit): nothing held there may reach the client.
     pub fn force_close(&mut self, reason: &str) {
         if self.phase == Phase::Closing {
             return;
         }
-        self.outbox.abandon_held();
         let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
         self.outbox.method(0, &e.close_method());
         self.phase = Phase::Closing;
@@ -572,9 +570,15 @@ impl Session {
             // Its changes since the last commit may or may not be committed by the cluster:
             // no reply, confirm or nack says either. 320, as for every client of a node
             // that stops leading (before, a held reply closed with 541 and publishes were
-            // nacked, claiming they were not taken, first).
-            self.force_close("leader changed: this node no longer leads; what was not confirmed yet may or may not have been committed");
+            // nacked, claiming they were not taken, first). What the outbox holds (replies
+            // and deliveries waiting for commits) never goes out. A connection already
+            // closing or closed sends nothing more.
             self.commit_waits.clear();
+            if matches!(self.phase, Phase::Closing | Phase::Closed) {
+                return;
+            }
+            self.outbox.abandon_held();
+            self.force_close("leader changed: this node no longer leads; what was not confirmed yet may or may not have been committed");
             return;
         }
         if !done.ok && self.outbox.is_held() {
