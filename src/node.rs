@@ -283,6 +283,18 @@ impl Drop for BrokerGuard<'_> {
     }
 }
 
+/// Run a blocking read: on the server's runtime, the worker thread hands its other tasks to
+/// another first (a task queued behind this one would otherwise wait out the read too).
+fn blocking<R>(read: impl FnOnce() -> R) -> R {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(read)
+    } else {
+        read()
+    }
+}
+
 /// The reads queues asked for (`Effect::Read`), taken out of `fx`: they are carried out once
 /// the broker lock is released.
 fn take_reads(fx: &mut Vec<Effect>) -> Vec<crate::broker::ReadRequest> {
@@ -603,25 +615,15 @@ impl Shared {
         let mut rounds = 0;
         while !reads.is_empty() && rounds < 10_000 {
             rounds += 1;
-            let read = |reads: &mut Vec<crate::broker::ReadRequest>| -> Vec<_> {
+            let done = blocking(|| {
                 reads
                     .drain(..)
                     .map(|r| {
                         let data = r.plan.read(&*store, &r.vhost, &r.name);
                         (r, data)
                     })
-                    .collect()
-            };
-            // A blocking read: on the server's runtime, the worker thread hands its other
-            // tasks to another first (a task queued behind this one would otherwise wait out
-            // the read too).
-            let multi_thread = tokio::runtime::Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-            let done = if multi_thread {
-                tokio::task::block_in_place(|| read(&mut reads))
-            } else {
-                read(&mut reads)
-            };
+                    .collect::<Vec<_>>()
+            });
             let mut fx = Vec::new();
             let mut broker = self.lock_notify(None);
             broker.set_clock(crate::clock::now_ms());
@@ -638,6 +640,21 @@ impl Shared {
                 broker.read_dropped(r);
             }
         }
+    }
+
+    /// Read what a get asked for (`Outcome::Read`) with the broker lock released; the get
+    /// hands it back (`Cmd::Get`'s `read`).
+    pub(crate) fn read_for(
+        &self,
+        request: crate::broker::ReadRequest,
+    ) -> crate::broker::cmd::ReadDone {
+        let data = match &self.store {
+            Some(store) => blocking(|| request.plan.read(&**store, &request.vhost, &request.name)),
+            None => Err(warren_storage::StoreError::Io(
+                "no store to read a queue back from".into(),
+            )),
+        };
+        crate::broker::cmd::ReadDone { request, data }
     }
 
     /// Whether this node serves clients and runs the timers that change state: a single

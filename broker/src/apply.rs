@@ -338,10 +338,11 @@ impl Broker {
                 queue,
                 from,
                 to,
+                counted,
             } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
                     if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                        q.remove_key_range(*from, *to);
+                        q.remove_key_range(*from, *to, *counted);
                     }
                 }
                 self.log.write(op.clone());
@@ -547,12 +548,13 @@ impl Broker {
                 sizes: Vec::new(),
             });
         }
-        for (from, to) in purged.ranges {
+        for (from, to, counted) in purged.ranges {
             let op = Op::RemoveRange {
                 vhost: vhost.clone(),
                 queue: queue.clone(),
                 from,
                 to,
+                counted,
             };
             if replicated {
                 self.log.root(&op);

@@ -19,6 +19,13 @@ use std::sync::Arc;
 use warren_protocol::{AmqpError, ReplyCode};
 use warren_storage::Op;
 
+/// What the node read for a [`ReadRequest`] (outside the broker lock), handed back.
+#[derive(Debug)]
+pub struct ReadDone {
+    pub request: ReadRequest,
+    pub data: Result<crate::queue::ReadData, warren_storage::StoreError>,
+}
+
 /// A change asked of the broker. `ch` is the channel a client's command came on (and its reply
 /// goes to); commands of the management API and the node use 0. `nowait`: no reply.
 #[derive(Debug)]
@@ -66,13 +73,15 @@ pub enum Cmd {
         tag: String,
         nowait: bool,
     },
-    /// basic.get. `read_first`: if the queue's head is paged out, answer
-    /// [`Outcome::Read`] (the node reads it with the lock released and asks again) instead.
+    /// basic.get. If the queue's head is paged out, the answer is [`Outcome::Read`]: the node
+    /// reads it with the lock released and asks again with what it read in `read`, which the
+    /// queue takes before the get, in the same critical section (consumers cannot take it
+    /// first). Nothing is read under the broker lock (issue 13 point 5).
     Get {
         ch: u16,
         queue: String,
         no_ack: bool,
-        read_first: bool,
+        read: Option<Box<ReadDone>>,
     },
     Ack {
         ch: u16,
@@ -618,8 +627,22 @@ fn with_limit(
 impl Broker {
     /// Carry out `cmd` for `who`: its permission checks, the change (effects in `fx`), and the
     /// reply for the caller's connection. The caller holds the broker lock and owns the
-    /// journal flush (`Shared::execute`).
+    /// journal flush (`Shared::execute`). Then what the command left to settle (messages
+    /// dropped to dead-letter) is settled, and the reads queues found they need are asked
+    /// of the node.
     pub fn execute(
+        &mut self,
+        who: &Who,
+        cmd: Cmd,
+        fx: &mut Vec<Effect>,
+    ) -> Result<(Outcome, Option<Reply>), AmqpError> {
+        let result = self.run_cmd(who, cmd, fx);
+        self.settle(fx);
+        self.ask_wanted(fx);
+        result
+    }
+
+    fn run_cmd(
         &mut self,
         who: &Who,
         cmd: Cmd,
@@ -750,13 +773,15 @@ impl Broker {
                 ch,
                 queue,
                 no_ack,
-                read_first,
+                read,
             } => {
                 who.check(self, Access::Read, Resource::Queue, &queue)?;
-                if read_first {
-                    if let Some(read) = self.head_read_request(conn, who.vhost, &queue) {
-                        return Ok((Outcome::Read(read), None));
-                    }
+                let took = read.map(|done| {
+                    self.take_head_read(&done.request, done.data);
+                    done.request.queue
+                });
+                if let Some(read) = self.head_read_request(conn, who.vhost, &queue) {
+                    return Ok((Outcome::Read(read), None));
                 }
                 let reply = match self.get(conn, ch, who.vhost, &queue, no_ack)? {
                     Some(r) => Reply {
@@ -778,6 +803,10 @@ impl Broker {
                         batch: None,
                     },
                 };
+                if let Some(id) = took {
+                    // What the read brought in past the got message goes to consumers.
+                    self.dispatch(id, fx);
+                }
                 done(Some(reply))
             }
             Cmd::Ack { ch, tag, multiple } => {

@@ -314,6 +314,9 @@ struct Local {
     staging: std::collections::BTreeSet<QueueId>,
     /// Queues whose `dropped` list needs settling (dead-lettering, store removal).
     dirty: Vec<QueueId>,
+    /// Queues that found they need a read to go on taking their head (`Queue::wanted`): the
+    /// node is asked for it after the command (`ask_wanted`).
+    wanting: Vec<QueueId>,
     /// Queues with x-expires.
     expirable: std::collections::BTreeSet<QueueId>,
     /// Direct reply-to addresses (`amq.rabbitmq.reply-to.<suffix>`) → the channel they reach.
@@ -498,6 +501,7 @@ impl Broker {
                 pager: None,
                 staging: Default::default(),
                 dirty: Vec::new(),
+                wanting: Vec::new(),
                 expirable: Default::default(),
                 reply_to: HashMap::new(),
                 permissions_generation: 0,
@@ -753,6 +757,9 @@ impl Broker {
         if q.after_requeue(now, stored_batch, spill_batch, &mut spills) {
             self.local.dirty.push(qid);
         }
+        if q.wants_read() {
+            self.local.wanting.push(qid);
+        }
         if q.pager.is_some() {
             // The timer lets go of the paged-out messages once their batch is written.
             self.local.staging.insert(qid);
@@ -784,8 +791,9 @@ impl Broker {
     }
 
     /// For basic.get: the read a queue's head needs first, if it is on disk (the caller reads
-    /// it outside the lock and hands it to `read_done` before getting). None also where the
-    /// get itself will refuse (no such queue, another connection's exclusive queue).
+    /// it outside the lock and hands it back with the get, `take_head_read`). Messages past
+    /// their time at the head go first (they may be all that is in memory). None also where
+    /// the get itself will refuse (no such queue, another connection's exclusive queue).
     pub fn head_read_request(
         &mut self,
         conn: ConnId,
@@ -793,12 +801,35 @@ impl Broker {
         queue: &str,
     ) -> Option<ReadRequest> {
         let id = self.usable_queue(conn, vhost, queue).ok()?;
+        let now = self.local.now_ms;
         let q = self.replicated.queues.get_mut(&id)?;
         if !q.async_reads() {
             return None;
         }
-        let plan = q.head_read()?;
+        if q.drop_expired(now) > 0 {
+            self.local.dirty.push(id);
+        }
+        let plan = q.take_wanted().or_else(|| q.head_read())?;
         Some(ReadRequest::of(id, q, plan))
+    }
+
+    /// A read a get asked for (`head_read_request`), read by the node: taken, without
+    /// handing anything to consumers before the get takes its message (the get hands them
+    /// the rest after, `dispatch_queue`). It answers a read the queue asked for its
+    /// consumers too, if the same.
+    pub fn take_head_read(
+        &mut self,
+        req: &ReadRequest,
+        data: Result<queue::ReadData, warren_storage::StoreError>,
+    ) {
+        let Some(q) = self.replicated.queues.get_mut(&req.queue) else {
+            return;
+        };
+        if q.name != req.name || q.vhost != req.vhost {
+            return;
+        }
+        q.take_read(&req.plan, data);
+        self.took_head(req.queue);
     }
 
     /// The node read what a queue asked for (`Effect::Read`): take it (unless the queue moved
@@ -818,7 +849,48 @@ impl Broker {
             return;
         }
         q.take_read(&req.plan, data);
+        self.took_head(req.queue);
+        self.settle(fx);
         self.dispatch(req.queue, fx);
+        self.ask_wanted(fx);
+    }
+
+    /// A read of a queue's head was taken: what waited for it is done now, before any
+    /// delivery (messages past their time at the head go, and a drop-head queue over its
+    /// limit drops its oldest); it may want the next read in turn.
+    fn took_head(&mut self, id: QueueId) {
+        let now = self.local.now_ms;
+        let Some(q) = self.replicated.queues.get_mut(&id) else {
+            return;
+        };
+        let mut dropped = q.drop_expired(now);
+        if q.overflow == Overflow::DropHead {
+            dropped += q.trim_to_limits();
+        }
+        if dropped > 0 {
+            self.local.dirty.push(id);
+        }
+        if q.wants_read() {
+            self.local.wanting.push(id);
+        }
+    }
+
+    /// Ask the node for the reads queues found they need (`Queue::wanted`), once each.
+    pub(crate) fn ask_wanted(&mut self, fx: &mut Vec<Effect>) {
+        if self.local.wanting.is_empty() {
+            return;
+        }
+        let now = self.local.now_ms;
+        let mut wanting = std::mem::take(&mut self.local.wanting);
+        wanting.sort_unstable();
+        wanting.dedup();
+        for id in wanting {
+            if let Some(q) = self.replicated.queues.get_mut(&id) {
+                if let Some(plan) = q.take_wanted() {
+                    ReadRequest::ask(id, q, plan, now, fx);
+                }
+            }
+        }
     }
 
     /// A read asked for and not carried out: its queue asks again at its next dispatch.
@@ -849,6 +921,7 @@ impl Broker {
             .iter_mut()
             .filter(|(_, q)| {
                 (failed && q.read_failed)
+                    || q.wants_read()
                     || q.read_pending
                         .is_some_and(|(_, at)| now >= at.saturating_add(queue::READ_ASK_AGAIN_MS))
             })
@@ -861,8 +934,12 @@ impl Broker {
         // removals) it records.
         failed.sort_unstable();
         for id in failed {
+            // What waited for the head (a trim, expiry) asks again too, consumers or not.
+            self.took_head(id);
             self.dispatch(id, fx);
         }
+        self.settle(fx);
+        self.ask_wanted(fx);
     }
 
     /// Ready messages held in memory, across all queues (for tests and reports).
@@ -1598,6 +1675,9 @@ impl Broker {
         if q.drop_expired(now) > 0 {
             self.local.dirty.push(id);
         }
+        if q.wants_read() {
+            self.local.wanting.push(id);
+        }
         q.last_used = now;
         QueueInfo {
             name: q.name.to_string(),
@@ -2156,6 +2236,9 @@ impl Broker {
                 }
                 if dropped > 0 {
                     self.local.dirty.push(*qid);
+                }
+                if q.wants_read() {
+                    self.local.wanting.push(*qid);
                 }
             }
         }

@@ -110,8 +110,15 @@ pub struct Purged {
     pub count: usize,
     pub kept: Vec<(u64, u64)>,
     pub local: Vec<u64>,
-    pub ranges: Vec<(u64, u64)>,
+    /// Key ranges, one per level, with what each held where this broker can tell: the
+    /// number of messages and their body bytes (`Op::RemoveRange`'s `counted`). It can unless
+    /// the queue ever spilled transient messages (those are on its disk alone, and only a
+    /// read would tell how many).
+    pub ranges: Vec<PurgedRange>,
 }
+
+/// A key range a purge took: from, to, and (messages, bytes) if known (see `Purged::ranges`).
+pub type PurgedRange = (u64, u64, Option<(u64, u64)>);
 
 /// A requeued message paged out of memory (see `Level::returned`): what the queue must know
 /// of it without its body.
@@ -314,6 +321,13 @@ pub struct Queue {
     /// Deliveries from this queue wait for it; one unanswered for `READ_ASK_AGAIN_MS` is asked
     /// again.
     pub read_pending: Option<(u64, u64)>,
+    /// With reads through the node (`async_reads`): the read a path that takes the head at
+    /// once (drop-head, expiry, requeue, declare-ok's count) found it needed, its level's
+    /// in-memory head being empty. Nothing is read under the broker lock: the broker asks the
+    /// node for it (`Broker::ask_wanted`), and what waited is done once it is taken
+    /// (`Broker::read_done`). Meanwhile a drop-head queue may be over its limit by what was
+    /// published since; nothing is delivered from it before the trim (its head is the read).
+    wanted: Option<ReadPlan>,
     /// What only the node serving clients keeps: consumers, deliveries, publisher holds.
     pub local: QueueLocal,
     /// Messages that left without an ack (expired, over the limit), for the broker to
@@ -397,6 +411,7 @@ impl Queue {
             read_errors: Default::default(),
             read_epoch: 0,
             read_pending: None,
+            wanted: None,
             local: QueueLocal::default(),
             dropped: Vec::new(),
         }
@@ -624,10 +639,23 @@ impl Queue {
     }
 
     /// Bring the next messages of a level into memory: from disk, or (nothing on disk) the
-    /// staged ones, reading the store here and now. Called when the level's in-memory head is
-    /// empty, on the paths that cannot wait (basic.get, limits, expiry); deliveries to
-    /// consumers ask the node to read instead (`plan_refill`, `take_read`).
+    /// staged ones. Called when the level's in-memory head is empty, on the paths that take
+    /// the head at once (limits, expiry, basic.get). With reads through the node, a read from
+    /// the store is only wanted (`wanted`) and the head stays empty; without (tests, tools),
+    /// the store is read here and now.
     fn refill(&mut self, level: usize) {
+        if self.async_reads() {
+            // Never under the broker lock: what no read is needed for is done here, the read
+            // is wanted (see `wanted`).
+            if let Some(plan) = self.plan_refill(level) {
+                // The first level asked for in this state of the queue (the highest: the
+                // paths go from the highest level down) stays; a stale plan is replaced.
+                if self.wanted.as_ref().is_none_or(|w| w.epoch != plan.epoch) {
+                    self.wanted = Some(plan);
+                }
+            }
+            return;
+        }
         while let Some(plan) = self.plan_refill(level) {
             let Some(pager) = self.pager.clone() else {
                 return;
@@ -1173,6 +1201,17 @@ impl Queue {
         true
     }
 
+    /// The read a path that takes the head at once found it needed (see `wanted`), for the
+    /// broker to ask of the node.
+    pub fn take_wanted(&mut self) -> Option<ReadPlan> {
+        self.wanted.take()
+    }
+
+    /// Whether a read is wanted (see `wanted`).
+    pub fn wants_read(&self) -> bool {
+        self.wanted.is_some()
+    }
+
     /// Whether backlog reads go through the node (see `Pager::async_reads`).
     pub fn async_reads(&self) -> bool {
         self.pager.as_ref().is_some_and(|p| p.async_reads)
@@ -1351,8 +1390,10 @@ impl Queue {
     }
 
     /// Take out the ready messages with store keys from `from` to `to` (inclusive:
-    /// `Op::RemoveRange`), wherever they are (see `remove_keys`).
-    pub fn remove_key_range(&mut self, from: u64, to: u64) {
+    /// `Op::RemoveRange`), wherever they are (see `remove_keys`). `counted`: how many that is
+    /// and their bytes, if the remover knew (a range within one level): what leaves the disk
+    /// part is then known without reading it.
+    pub fn remove_key_range(&mut self, from: u64, to: u64, counted: Option<(u64, u64)>) {
         if from > to {
             return;
         }
@@ -1371,7 +1412,8 @@ impl Queue {
             } else {
                 u64::MAX
             };
-            self.remove_in_level(level, |id| (lo..=hi).contains(&id));
+            let (besides, besides_bytes) =
+                self.remove_in_level(level, |id| (lo..=hi).contains(&id));
             let l = &self.levels[level];
             if l.disk_count == 0 || hi < l.disk_first || lo > l.disk_last {
                 continue;
@@ -1387,19 +1429,32 @@ impl Queue {
                 continue;
             }
             let (a, b) = (lo.max(l.disk_first), hi.min(l.disk_last));
-            self.forget_on_disk(level, |pager, q| {
-                pager
-                    .store
-                    .read(
-                        &q.vhost,
-                        &q.name,
-                        message_key(level as u8, a),
-                        message_key(level as u8, b),
-                        usize::MAX,
-                        usize::MAX,
-                    )
-                    .map(|v| v.into_iter().map(|m| m.body.len() as u64).collect())
-            });
+            match counted.filter(|_| lf == lt) {
+                // What was not elsewhere was on disk.
+                Some((n, bytes)) => {
+                    let n = n.saturating_sub(besides as u64).min(l.disk_count);
+                    let bytes = bytes.saturating_sub(besides_bytes).min(l.disk_bytes);
+                    self.read_epoch += 1;
+                    let l = &mut self.levels[level];
+                    l.disk_count -= n;
+                    l.disk_bytes -= bytes;
+                    self.count -= n as usize;
+                    self.ready_bytes = self.ready_bytes.saturating_sub(bytes);
+                }
+                None => self.forget_on_disk(level, |pager, q| {
+                    pager
+                        .store
+                        .read(
+                            &q.vhost,
+                            &q.name,
+                            message_key(level as u8, a),
+                            message_key(level as u8, b),
+                            usize::MAX,
+                            usize::MAX,
+                        )
+                        .map(|v| v.into_iter().map(|m| m.body.len() as u64).collect())
+                }),
+            }
             let l = &mut self.levels[level];
             if a == l.disk_first {
                 l.disk_first = b + 1;
@@ -1411,8 +1466,8 @@ impl Queue {
     }
 
     /// Remove the ready messages of a level whose id `gone` says, from memory, the paged-out
-    /// requeued ones and the staged ones.
-    fn remove_in_level(&mut self, level: usize, gone: impl Fn(u64) -> bool) {
+    /// requeued ones and the staged ones: how many went, and their bytes.
+    fn remove_in_level(&mut self, level: usize, gone: impl Fn(u64) -> bool) -> (usize, u64) {
         let l = &mut self.levels[level];
         let (mut n, mut bytes, mut held, mut held_bytes) = (0usize, 0u64, 0usize, 0u64);
         l.returned.retain(|r| {
@@ -1454,6 +1509,7 @@ impl Queue {
         self.ready_bytes -= bytes;
         self.mem_count -= held;
         self.mem_bytes -= held_bytes;
+        (n, bytes)
     }
 
     /// Messages of a level's disk part leave: `sizes` reads the body sizes of those the store
@@ -1597,9 +1653,17 @@ impl Queue {
                 l.staged.front().map(|(_, m)| m.id)
             };
             if let Some(first) = first {
+                let counted = (!self.spilled).then(|| {
+                    let staged = l.staged.iter().map(|(_, m)| m.msg.body.len() as u64);
+                    (
+                        l.disk_count + l.staged.len() as u64,
+                        l.disk_bytes + staged.sum::<u64>(),
+                    )
+                });
                 purged.ranges.push((
                     message_key(level as u8, first),
                     message_key(level as u8, (1 << warren_storage::ID_BITS) - 1),
+                    counted,
                 ));
             }
             self.levels[level] = Level::default();

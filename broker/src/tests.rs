@@ -1,6 +1,7 @@
 //! Core tests: no sockets, no runtime. They drive the broker as a connection handler would.
 
 use super::*;
+use crate::cmd::{Cmd, Grant, Outcome, ReadDone, Via, Who};
 use warren_protocol::ReplyCode;
 
 fn msg(exchange: &str, key: &str, body: &str) -> Arc<Message> {
@@ -1170,8 +1171,8 @@ fn a_drop_head_queue_asks_for_its_head_ahead_and_publishes_read_nothing() {
     );
     assert_eq!(b.queue_info("/", "dh").unwrap().message_count, 3000);
     for i in 3000..3010 {
-        let got = b.get(c, 1, "/", "dh", true).unwrap().unwrap();
-        assert_eq!(got.msg.body, format!("{i:05}").as_bytes());
+        let (got, _) = get_reading_outside(&mut b, c, &store, "dh");
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
     }
 }
 
@@ -1518,6 +1519,7 @@ mod replay_property {
                     queue: QUEUES[*q].into(),
                     from: message_key(0, *a.min(b) as u64),
                     to: message_key(2, *a.max(b) as u64),
+                    counted: None,
                 },
                 Pick::Purge(q) => Op::Purge {
                     vhost: "/".into(),
@@ -1652,4 +1654,399 @@ fn the_core_names_no_io_thread_or_clock() {
         dir.display()
     );
     assert!(found.is_empty(), "{found:#?}");
+}
+
+/// A broker paging to a store that counts its reads, reading through the node (as a server
+/// does), with a journal committed by `commit_to`.
+fn async_pager() -> (
+    Broker,
+    ConnId,
+    Arc<FlakyReads>,
+    Arc<std::sync::atomic::AtomicU64>,
+) {
+    let store = Arc::new(FlakyReads::default());
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (mut b, c) = setup();
+    b.enable_journal();
+    b.set_pager(queue::Pager {
+        store: store.clone(),
+        written: written.clone(),
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        async_reads: true,
+        clock: Default::default(),
+    });
+    (b, c, store, written)
+}
+
+fn commit_to(b: &mut Broker, store: &FlakyReads, written: &std::sync::atomic::AtomicU64) {
+    let ops = b.take_journal();
+    warren_storage::Store::write(store, &ops, false).unwrap();
+    written.store(b.journal_seq(), Ordering::Release);
+    b.release_written();
+}
+
+fn persistent_msg(key: &str, body: &str) -> Arc<Message> {
+    let properties = AMQPProperties::default().with_delivery_mode(2);
+    Arc::new(Message {
+        raw_properties: warren_protocol::codec::encode_properties(&properties),
+        properties,
+        ..Arc::into_inner(msg("", key, body)).unwrap()
+    })
+}
+
+/// The node's part: the reads queues asked for in `fx` are read (outside the core) and
+/// handed back, until none is asked. How many were read.
+fn serve_reads(b: &mut Broker, store: &FlakyReads, fx: &mut Vec<Effect>) -> usize {
+    let mut n = 0;
+    loop {
+        let mut reads = Vec::new();
+        fx.retain(|e| match e {
+            Effect::Read(r) => {
+                reads.push(r.clone());
+                false
+            }
+            _ => true,
+        });
+        if reads.is_empty() {
+            return n;
+        }
+        for r in reads {
+            n += 1;
+            let data = r.plan.read(store, &r.vhost, &r.name);
+            b.read_done(&r, data, fx);
+        }
+    }
+}
+
+/// basic.get through the core's one entry, as a connection does it: the read a get asks for
+/// is read here, outside the core, and handed back with the get. Asserts that the core read
+/// nothing itself; the body got (None: get-empty) and how many reads it took.
+fn get_reading_outside(
+    b: &mut Broker,
+    c: ConnId,
+    store: &FlakyReads,
+    queue: &str,
+) -> (Option<String>, usize) {
+    let grant = Grant::default();
+    let who = Who {
+        via: Via::Node,
+        conn: c,
+        user: "",
+        vhost: "/",
+        grant: &grant,
+    };
+    let mut read = None;
+    for rounds in 0..100_000 {
+        let mut fx = Vec::new();
+        let before = store.reads.load(Ordering::SeqCst);
+        let (outcome, reply) = b
+            .execute(
+                &who,
+                Cmd::Get {
+                    ch: 1,
+                    queue: queue.into(),
+                    no_ack: true,
+                    read: read.take(),
+                },
+                &mut fx,
+            )
+            .unwrap();
+        assert_eq!(
+            store.reads.load(Ordering::SeqCst),
+            before,
+            "basic.get read the store under the broker lock"
+        );
+        match outcome {
+            Outcome::Read(request) => {
+                let data = request.plan.read(store, &request.vhost, &request.name);
+                read = Some(Box::new(ReadDone { request, data }));
+            }
+            _ => {
+                let body = reply
+                    .and_then(|r| r.content)
+                    .map(|m| String::from_utf8_lossy(&m.body.to_bytes()).into_owned());
+                return (body, rounds);
+            }
+        }
+    }
+    panic!("basic.get never got past its reads");
+}
+
+/// Issue 13 point 5: a drop-head queue whose head is on disk and not read yet (the node is
+/// slow) does not read it under the broker lock on the next publish: the trim waits for the
+/// read (the queue is over its limit meanwhile, and delivers nothing from its head), and is
+/// done when the read is handed back; what stays is the newest, in order, and what went was
+/// dead-lettered oldest first.
+#[test]
+fn a_drop_head_trim_waits_for_its_head_to_be_read_outside_the_lock() {
+    let (mut b, c, store, written) = async_pager();
+    let mut fx = Vec::new();
+    declare(&mut b, c, "dead");
+    b.exchange_declare(
+        "/",
+        ExchangeDeclare {
+            name: "dlx".into(),
+            kind: "fanout".into(),
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    b.queue_bind(
+        c,
+        "/",
+        "dead",
+        "dlx",
+        "",
+        &FieldTable::default(),
+        true,
+        &mut fx,
+    )
+    .unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(3000));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("drop-head".into()),
+    );
+    arguments.insert(
+        "x-dead-letter-exchange".into(),
+        AMQPValue::LongString("dlx".into()),
+    );
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "dh".into(),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let (mut over, mut asked) = (0, Vec::new());
+    for i in 0..6000 {
+        let before = store.reads.load(Ordering::SeqCst);
+        b.publish("/", persistent_msg("dh", &format!("{i:05}")), &mut fx)
+            .unwrap();
+        // As `Broker::execute` does after every command.
+        b.ask_wanted(&mut fx);
+        assert_eq!(
+            store.reads.load(Ordering::SeqCst),
+            before,
+            "publish {i} read the store under the broker lock"
+        );
+        // The node serves the reads asked for only every 700 publishes (a slow disk).
+        asked.extend(fx.drain(..).filter(|e| matches!(e, Effect::Read(_))));
+        if i % 700 == 699 {
+            fx.append(&mut asked);
+            serve_reads(&mut b, &store, &mut fx);
+            fx.clear();
+        }
+        over = over.max(b.queue_info("/", "dh").unwrap().message_count);
+        if i % 100 == 99 {
+            commit_to(&mut b, &store, &written);
+        }
+    }
+    assert!(over > 3000, "the trim never had to wait for a read");
+    // The reads the last publishes asked for, then what is still wanted (the timer's
+    // `retry_reads` asks again).
+    fx.append(&mut asked);
+    serve_reads(&mut b, &store, &mut fx);
+    b.retry_reads(&mut fx);
+    serve_reads(&mut b, &store, &mut fx);
+    assert_eq!(b.queue_info("/", "dh").unwrap().message_count, 3000);
+    commit_to(&mut b, &store, &written);
+    for i in 3000..3010 {
+        let (got, _) = get_reading_outside(&mut b, c, &store, "dh");
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
+    }
+    assert_eq!(b.queue_info("/", "dead").unwrap().message_count, 3000);
+    for i in 0..10 {
+        let (got, _) = get_reading_outside(&mut b, c, &store, "dead");
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
+    }
+}
+
+/// Issue 13 point 5: basic.get of a queue whose head is paged out, and of one whose whole
+/// in-memory head has expired with more on disk, reads nothing under the broker lock: it
+/// asks, the read is done outside and handed back with the get, which takes it in the same
+/// critical section. Gets the right message: the oldest not expired.
+#[test]
+fn basic_get_reads_a_paged_out_or_expired_head_outside_the_lock() {
+    let (mut b, c, store, written) = async_pager();
+    b.set_clock(10_000);
+    let mut fx = Vec::new();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-message-ttl".into(), AMQPValue::LongInt(1000));
+    b.queue_declare(
+        c,
+        "/",
+        QueueDeclare {
+            name: "ttl".into(),
+            durable: true,
+            arguments,
+            ..Default::default()
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let publish = |b: &mut Broker, from: usize, to: usize| {
+        for i in from..to {
+            let mut fx = Vec::new();
+            b.publish("/", persistent_msg("ttl", &format!("{i:05}")), &mut fx)
+                .unwrap();
+            if i % 100 == 99 {
+                commit_to(b, &store, &written);
+            }
+        }
+        commit_to(b, &store, &written);
+    };
+    // Expire at 11,000: three windows' worth, most of it on disk.
+    publish(&mut b, 0, 3 * queue::WINDOW_MESSAGES);
+    b.set_clock(10_500);
+    // Expire at 11,500.
+    let live = 3 * queue::WINDOW_MESSAGES;
+    publish(&mut b, live, live + 2000);
+    // Paged out, not expired yet: the head comes in by reads outside, in order.
+    let mut rounds = 0;
+    for i in 0..queue::WINDOW_MESSAGES + 600 {
+        let (got, r) = get_reading_outside(&mut b, c, &store, "ttl");
+        rounds += r;
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
+    }
+    assert!(rounds > 0, "no get had to read");
+    // Everything in memory and on disk up to `live` expires: the get goes through it all,
+    // read outside, to the first message alive.
+    b.set_clock(11_200);
+    let (got, rounds) = get_reading_outside(&mut b, c, &store, "ttl");
+    assert_eq!(got.as_deref(), Some(format!("{live:05}").as_str()));
+    assert!(rounds > 1, "expired on disk, yet {rounds} read");
+    assert_eq!(
+        b.queue_info("/", "ttl").unwrap().message_count as usize,
+        2000 - 1
+    );
+}
+
+/// Issue 13 point 5: a purge while deliveries wait for acks replicates the removal of what was
+/// on the leader's disk as a key range with its count and bytes, so a replica whose disk part
+/// reaches below that range (it never reads its backlog back) learns what left without
+/// reading its store. It keeps the unacknowledged messages, then nothing once they are acked.
+#[test]
+fn a_purge_tells_a_replica_what_left_its_disk_without_a_read() {
+    let (mut leader, c, ls, lw) = async_pager();
+    leader.record_ops();
+    let (rs, rw) = (
+        Arc::new(FlakyReads::default()),
+        Arc::new(std::sync::atomic::AtomicU64::new(0)),
+    );
+    let mut replica = Broker::new();
+    replica.enable_journal();
+    replica.set_pager(queue::Pager {
+        store: rs.clone(),
+        written: rw.clone(),
+        hold_max_ms: 0,
+        read_failed: Default::default(),
+        async_reads: true,
+        clock: Default::default(),
+    });
+    let mut fx = Vec::new();
+    leader
+        .queue_declare(
+            c,
+            "/",
+            QueueDeclare {
+                name: "q".into(),
+                durable: true,
+                ..Default::default()
+            },
+            &mut fx,
+        )
+        .unwrap();
+    let ship = |leader: &mut Broker, replica: &mut Broker| -> Vec<Op> {
+        let ops = leader.take_ops();
+        for op in &ops {
+            replica.apply(op, &mut Vec::new()).unwrap();
+        }
+        commit_to(replica, &rs, &rw);
+        ops
+    };
+    let n = 3 * queue::WINDOW_MESSAGES;
+    for i in 0..n {
+        leader
+            .publish("/", persistent_msg("q", &format!("{i:05}")), &mut fx)
+            .unwrap();
+        if i % 100 == 99 {
+            commit_to(&mut leader, &ls, &lw);
+        }
+    }
+    commit_to(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica);
+    // The leader gets past its first window: it reads its backlog back, the replica does not.
+    for i in 0..queue::WINDOW_MESSAGES + 200 {
+        let (got, _) = get_reading_outside(&mut leader, c, &ls, "q");
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
+    }
+    commit_to(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica);
+
+    // 10 delivered and unacknowledged, then the purge.
+    fx.clear();
+    leader.qos(c, 1, 10, false, &mut fx);
+    leader
+        .consume(
+            c,
+            1,
+            "/",
+            "q",
+            "t",
+            false,
+            false,
+            &FieldTable::default(),
+            &mut fx,
+        )
+        .unwrap();
+    serve_reads(&mut leader, &ls, &mut fx);
+    let got = delivered(&fx);
+    assert_eq!(got.len(), 10);
+    leader
+        .apply(
+            &Op::Purge {
+                vhost: "/".into(),
+                queue: "q".into(),
+            },
+            &mut fx,
+        )
+        .unwrap();
+    commit_to(&mut leader, &ls, &lw);
+    let before = rs.reads.load(Ordering::SeqCst);
+    let ops = ship(&mut leader, &mut replica);
+    assert!(
+        ops.iter().any(|op| matches!(
+            op,
+            Op::RemoveRange {
+                counted: Some(_),
+                ..
+            }
+        )),
+        "no counted range: {ops:?}"
+    );
+    assert_eq!(
+        rs.reads.load(Ordering::SeqCst),
+        before,
+        "the replica read its store to apply the purge"
+    );
+    let count = |b: &mut Broker| b.queue_info("/", "q").unwrap().message_count;
+    assert_eq!(count(&mut leader), 0);
+    assert_eq!(count(&mut replica), 10);
+    leader.ack(c, 1, got[9].1, true, &mut fx).unwrap();
+    commit_to(&mut leader, &ls, &lw);
+    ship(&mut leader, &mut replica);
+    assert_eq!(count(&mut replica), 0);
+    assert_eq!(
+        replica.replicated_view().unwrap(),
+        leader.replicated_view().unwrap()
+    );
 }

@@ -915,6 +915,7 @@ impl View<'_> {
                     queue,
                     from,
                     to,
+                    ..
                 } => {
                     self.remove_range(&mut b, &queue_prefix(vhost, queue), *from, *to)?;
                 }

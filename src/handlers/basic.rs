@@ -88,22 +88,29 @@ impl Session {
     fn basic_get(&mut self, ch: u16, g: basic::Get) -> Result<(), AmqpError> {
         let queue = self.resolve_queue(ch, g.queue.as_str())?;
         // A head paged out is read with the broker lock released first (issue 13 point 5):
-        // the get hands back the read it needs instead of getting, and is tried again once it
-        // is done; a few times at most, as consumers may take what was read: the last try
-        // reads for itself.
-        for attempt in 0..4 {
+        // the get hands back the read it needs instead of getting, and is tried again with
+        // what was read, which the queue takes in the same critical section as the get. Each
+        // round moves the queue on (the read is taken, or what made it stale, another read or
+        // a removal, was), so this ends; the bound is a guard against a defect.
+        let mut read = None;
+        for _ in 0..10_000 {
             let got = self.run(Cmd::Get {
                 ch,
                 queue: queue.clone(),
                 no_ack: g.no_ack,
-                read_first: attempt < 3,
+                read: read.take(),
             })?;
             match got {
-                Outcome::Read(read) => self.shared.carry_out_reads(vec![read]),
-                _ => break,
+                Outcome::Read(request) => read = Some(Box::new(self.shared.read_for(request))),
+                _ => return Ok(()),
             }
         }
-        Ok(())
+        Err(AmqpError::connection(
+            warren_protocol::ReplyCode::InternalError,
+            format!(
+                "basic.get from queue '{queue}' found its head still to read after 10000 reads"
+            ),
+        ))
     }
 
     fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {

@@ -180,6 +180,7 @@ impl MemStore {
                     queue,
                     from,
                     to,
+                    ..
                 } => {
                     if let Some(m) = s.messages.get_mut(&key(vhost, queue)) {
                         let gone: Vec<u64> = m.range(*from..=*to).map(|(k, _)| *k).collect();

@@ -113,12 +113,16 @@ pub enum Op {
         properties: Bytes,
         body: Body,
     },
-    /// The messages of a queue with keys from `from` to `to` (inclusive) go.
+    /// The messages of a queue with keys from `from` to `to` (inclusive) go. `counted`: how
+    /// many ready messages that is and their body bytes, where the remover knew (a purge's
+    /// part of one priority level): a replica then learns what left its disk part without
+    /// reading it.
     RemoveRange {
         vhost: Name,
         queue: Name,
         from: u64,
         to: u64,
+        counted: Option<(u64, u64)>,
     },
     /// Create a user or replace its password hash and tags (users are not per vhost).
     PutUser {

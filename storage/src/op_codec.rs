@@ -50,6 +50,7 @@
 //! | 20  | `PutUserLimits`   | user, limits (count + (name, i64) each)                             |
 //! | 21  | `SetTopicPermissions` | user, vhost, exchange, write, read                              |
 //! | 22  | `ClearTopicPermissions` | user, vhost, exchange                                         |
+//! | 23  | `RemoveRange` counted | vhost, queue, from, to, count, bytes (tag 11: not counted)      |
 //!
 //! Tags are never renumbered and never reused, not even for a variant that is removed: a new
 //! variant takes the next free number, and a variant whose fields change gets a new tag (or the
@@ -94,13 +95,14 @@ pub const TAG_PUT_VHOST_LIMITS: u8 = 19;
 pub const TAG_PUT_USER_LIMITS: u8 = 20;
 pub const TAG_SET_TOPIC_PERMISSIONS: u8 = 21;
 pub const TAG_CLEAR_TOPIC_PERMISSIONS: u8 = 22;
+pub const TAG_REMOVE_RANGE_COUNTED: u8 = 23;
 
 /// [`BindingDest`] kinds.
 pub const DEST_QUEUE: u8 = 1;
 pub const DEST_EXCHANGE: u8 = 2;
 
 /// Every tag in use, in order.
-const ALL_TAGS: [u8; 22] = [
+const ALL_TAGS: [u8; 23] = [
     TAG_DECLARE_EXCHANGE,
     TAG_DELETE_EXCHANGE,
     TAG_DECLARE_QUEUE,
@@ -123,6 +125,7 @@ const ALL_TAGS: [u8; 22] = [
     TAG_PUT_USER_LIMITS,
     TAG_SET_TOPIC_PERMISSIONS,
     TAG_CLEAR_TOPIC_PERMISSIONS,
+    TAG_REMOVE_RANGE_COUNTED,
 ];
 
 // Compile-time: the tags are distinct and non-zero (0 stays free as a "never an op" byte).
@@ -158,6 +161,9 @@ pub fn tag(op: &Op) -> u8 {
         Op::Remove { .. } => TAG_REMOVE,
         Op::Purge { .. } => TAG_PURGE,
         Op::Spill { .. } => TAG_SPILL,
+        Op::RemoveRange {
+            counted: Some(_), ..
+        } => TAG_REMOVE_RANGE_COUNTED,
         Op::RemoveRange { .. } => TAG_REMOVE_RANGE,
         Op::PutUser { .. } => TAG_PUT_USER,
         Op::DeleteUser { .. } => TAG_DELETE_USER,
@@ -368,11 +374,16 @@ pub fn encode_op(b: &mut BytesMut, op: &Op) -> Result<(), EncodeError> {
             queue,
             from,
             to,
+            counted,
         } => {
             put_bytes(b, vhost.as_bytes())?;
             put_bytes(b, queue.as_bytes())?;
             b.put_u64(*from);
             b.put_u64(*to);
+            if let Some((count, bytes)) = counted {
+                b.put_u64(*count);
+                b.put_u64(*bytes);
+            }
         }
         Op::PutUser {
             name,
@@ -679,6 +690,17 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             queue: names.get(b)?,
             from: get_u64(b, "truncated range")?,
             to: get_u64(b, "truncated range")?,
+            counted: None,
+        },
+        TAG_REMOVE_RANGE_COUNTED => Op::RemoveRange {
+            vhost: names.get(b)?,
+            queue: names.get(b)?,
+            from: get_u64(b, "truncated range")?,
+            to: get_u64(b, "truncated range")?,
+            counted: Some((
+                get_u64(b, "truncated range count")?,
+                get_u64(b, "truncated range bytes")?,
+            )),
         },
         TAG_PUT_USER => {
             let name = get_string(b)?;
@@ -1004,8 +1026,24 @@ mod tests {
                 queue: "q".into(),
                 from: 3,
                 to: u64::MAX,
+                counted: None,
             },
             "0b | 00000001 2f | 00000001 71 | 0000000000000003 | ffffffffffffffff",
+        );
+    }
+
+    #[test]
+    fn golden_remove_range_counted() {
+        golden(
+            Op::RemoveRange {
+                vhost: "/".into(),
+                queue: "q".into(),
+                from: 3,
+                to: u64::MAX,
+                counted: Some((2, 0x0102)),
+            },
+            "17 | 00000001 2f | 00000001 71 | 0000000000000003 | ffffffffffffffff
+             | 0000000000000002 | 0000000000000102",
         );
     }
 
@@ -1203,6 +1241,7 @@ mod tests {
                 queue: "q".into(),
                 from: 0,
                 to: 10,
+                counted: None,
             },
             Op::PutUser {
                 name: "u".into(),
@@ -1253,6 +1292,13 @@ mod tests {
                 vhost: "v".into(),
                 exchange: "t".into(),
             },
+            Op::RemoveRange {
+                vhost: "/".into(),
+                queue: "q".into(),
+                from: 0,
+                to: 10,
+                counted: Some((3, 30)),
+            },
         ]
     }
 
@@ -1261,7 +1307,7 @@ mod tests {
         let ops = every_variant();
         let tags: Vec<u8> = ops.iter().map(tag).collect();
         assert_eq!(tags, ALL_TAGS.to_vec());
-        assert_eq!(tags, (1..=22).collect::<Vec<u8>>());
+        assert_eq!(tags, (1..=23).collect::<Vec<u8>>());
     }
 
     #[test]
@@ -1335,7 +1381,7 @@ mod tests {
         let purge = hex("09 00000001 2f 00000001 71");
         let decode = |v: Vec<u8>| decode_ops(Bytes::from(v));
         // Unknown tags: 0, the first free one, the last.
-        for t in [0u8, 23, 255] {
+        for t in [0u8, 24, 255] {
             let mut op = purge.clone();
             op[0] = t;
             assert_eq!(decode(entry(&[&op])), Err(DecodeError("unknown op tag")));
@@ -1602,14 +1648,22 @@ mod tests {
                             }
                         }
                     ),
-                (name(), name(), any::<u64>(), any::<u64>()).prop_map(
-                    |(vhost, queue, from, to)| Op::RemoveRange {
-                        vhost,
-                        queue,
-                        from,
-                        to,
-                    }
-                ),
+                (
+                    name(),
+                    name(),
+                    any::<u64>(),
+                    any::<u64>(),
+                    proptest::option::of(any::<(u64, u64)>())
+                )
+                    .prop_map(|(vhost, queue, from, to, counted)| {
+                        Op::RemoveRange {
+                            vhost,
+                            queue,
+                            from,
+                            to,
+                            counted,
+                        }
+                    }),
                 (string(), string(), vec(string(), 0..4)).prop_map(
                     |(name, password_hash, tags)| Op::PutUser {
                         name,

@@ -634,6 +634,7 @@ fn levels_spills_and_ranges(open: &dyn Fn() -> Box<dyn Store>) {
             queue: "t".into(),
             from: 5,
             to: 5,
+            counted: None,
         }],
         false,
     )

@@ -831,17 +831,34 @@ async fn messages_paged_out_by_a_requeue_keep_their_redelivered_flag() {
 /// of the bystander's round trips waited out a read.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_backlog_read_holds_up_no_other_client() {
-    slow_reads_beside_a_bystander(false).await;
+    slow_reads_beside_a_bystander(Work::Consume).await;
 }
 
 /// The same with basic.get draining the deep queue: the head it needs is read with the lock
 /// released before the get.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_backlog_read_for_basic_get_holds_up_no_other_client() {
-    slow_reads_beside_a_bystander(true).await;
+    slow_reads_beside_a_bystander(Work::Get).await;
 }
 
-async fn slow_reads_beside_a_bystander(by_get: bool) {
+/// The same with a publisher into a drop-head queue at its limit, past its window: each
+/// publish drops the head, on disk. The trim waits for the head's read (the queue is over its
+/// limit meanwhile) instead of reading under the lock; then the queue is back at its limit
+/// with the newest messages, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_head_read_for_drop_head_holds_up_no_other_client() {
+    slow_reads_beside_a_bystander(Work::DropHead).await;
+}
+
+/// What reaches a deep queue's backlog beside the bystander.
+#[derive(Clone, Copy)]
+enum Work {
+    Consume,
+    Get,
+    DropHead,
+}
+
+async fn slow_reads_beside_a_bystander(work: Work) {
     let server = TestServer::start_with(warren::Config {
         read_delay: Some(std::time::Duration::from_millis(1500)),
         ..Default::default()
@@ -850,25 +867,52 @@ async fn slow_reads_beside_a_bystander(by_get: bool) {
     let conn = server.connect().await;
     let ch = confirming_channel(&conn).await;
     let q = unique("slow-read");
-    ch.queue_declare(q.as_str().into(), durable_q(), FieldTable::default())
+    let n = 3 * WINDOW_MESSAGES;
+    let limit = 2 * WINDOW_MESSAGES;
+    let mut arguments = FieldTable::default();
+    if let Work::DropHead = work {
+        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(limit as i64));
+        arguments.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("drop-head".into()),
+        );
+    }
+    ch.queue_declare(q.as_str().into(), durable_q(), arguments)
         .await
         .unwrap();
-    let n = 3 * WINDOW_MESSAGES;
     publish_n(&ch, "", &q, 0, n, |_| persistent()).await;
     settles_within(&server, WINDOW_MESSAGES).await;
     let other = unique("bystander");
     ch.queue_declare(other.as_str().into(), durable_q(), FieldTable::default())
         .await
         .unwrap();
-    // The consumer drains the window in memory, then waits for the store (about 4 reads).
+    // The consumer drains the window in memory, then waits for the store (about 4 reads);
+    // the drop-head publisher's trims wait for the head's reads likewise.
     let consumer_conn = server.connect().await;
-    let cch = consumer_conn.create_channel().await.unwrap();
+    let cch = confirming_channel(&consumer_conn).await;
     let queue = q.clone();
     let drained = tokio::spawn(async move {
-        if by_get {
-            get_n(&cch, &queue, n).await
-        } else {
-            drain(&cch, &queue, n).await
+        match work {
+            Work::Consume => drain(&cch, &queue, n).await,
+            Work::Get => get_n(&cch, &queue, n).await,
+            Work::DropHead => {
+                publish_n(&cch, "", &queue, n, limit, |_| persistent()).await;
+                // 4 reads of 1.5 s bring the head in for the 2,048 drops.
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+                loop {
+                    let c = count(&cch, &queue).await as usize;
+                    if c == limit {
+                        break;
+                    }
+                    assert!(c > limit, "the drop-head queue fell to {c}");
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "the drop-head queue still holds {c}"
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                get_n(&cch, &queue, limit).await
+            }
         }
     });
     // Meanwhile, until the consumer is done: round trips on another queue, each well within a
@@ -909,6 +953,9 @@ async fn slow_reads_beside_a_bystander(by_get: bool) {
         "a round trip beside the slow reads took {slowest:?}"
     );
     assert!(trips >= 10, "only {trips} round trips beside the reads");
-    let expected: Vec<(usize, bool)> = (0..n).map(|i| (i, false)).collect();
+    let expected: Vec<(usize, bool)> = match work {
+        Work::DropHead => (n..n + limit).map(|i| (i, false)).collect(),
+        _ => (0..n).map(|i| (i, false)).collect(),
+    };
     assert_eq!(got, expected);
 }
