@@ -776,12 +776,18 @@ impl Broker {
                 read,
             } => {
                 who.check(self, Access::Read, Resource::Queue, &queue)?;
+                // A read that failed is not asked for again here (the error is logged, the
+                // timer retries it): the get answers with what is in memory, get-empty if
+                // nothing, as before reads moved out of the lock.
+                let failed = read.as_ref().is_some_and(|done| done.data.is_err());
                 let took = read.map(|done| {
                     self.take_head_read(&done.request, done.data);
                     done.request.queue
                 });
-                if let Some(read) = self.head_read_request(conn, who.vhost, &queue) {
-                    return Ok((Outcome::Read(read), None));
+                if !failed {
+                    if let Some(read) = self.head_read_request(conn, who.vhost, &queue) {
+                        return Ok((Outcome::Read(read), None));
+                    }
                 }
                 let reply = match self.get(conn, ch, who.vhost, &queue, no_ack)? {
                     Some(r) => Reply {

@@ -809,7 +809,12 @@ impl Broker {
         if q.drop_expired(now) > 0 {
             self.local.dirty.push(id);
         }
-        let plan = q.take_wanted().or_else(|| q.head_read())?;
+        // The get needs the head of the highest level; a read the expiry of another level
+        // wants is asked after the command.
+        if q.wants_read() {
+            self.local.wanting.push(id);
+        }
+        let plan = q.head_read()?;
         Some(ReadRequest::of(id, q, plan))
     }
 
@@ -828,8 +833,11 @@ impl Broker {
         if q.name != req.name || q.vhost != req.vhost {
             return;
         }
+        let failed = data.is_err();
         q.take_read(&req.plan, data);
-        self.took_head(req.queue);
+        if !failed {
+            self.took_head(req.queue);
+        }
     }
 
     /// The node read what a queue asked for (`Effect::Read`): take it (unless the queue moved
@@ -848,8 +856,12 @@ impl Broker {
         if q.name != req.name || q.vhost != req.vhost {
             return;
         }
+        // A failed read is tried again by the timer (`retry_reads`), not at once.
+        let failed = data.is_err();
         q.take_read(&req.plan, data);
-        self.took_head(req.queue);
+        if !failed {
+            self.took_head(req.queue);
+        }
         self.settle(fx);
         self.dispatch(req.queue, fx);
         self.ask_wanted(fx);
@@ -898,6 +910,8 @@ impl Broker {
         if let Some(q) = self.replicated.queues.get_mut(&req.queue) {
             if q.read_pending.is_some_and(|(e, _)| e == req.plan.epoch) {
                 q.read_pending = None;
+                // Still needed, maybe by a trim with nobody consuming: the timer asks again.
+                q.want(req.plan.clone());
             }
         }
     }
@@ -2530,7 +2544,11 @@ impl Broker {
             }
             if asks {
                 if let Some(plan) = q.head_read() {
-                    ReadRequest::ask(id, q, plan, now, fx);
+                    // After a failed read the timer asks again (`retry_reads`), not every
+                    // dispatch at once.
+                    if !q.read_failed {
+                        ReadRequest::ask(id, q, plan, now, fx);
+                    }
                     break;
                 }
                 if q.is_empty() {

@@ -648,11 +648,7 @@ impl Queue {
             // Never under the broker lock: what no read is needed for is done here, the read
             // is wanted (see `wanted`).
             if let Some(plan) = self.plan_refill(level) {
-                // The first level asked for in this state of the queue (the highest: the
-                // paths go from the highest level down) stays; a stale plan is replaced.
-                if self.wanted.as_ref().is_none_or(|w| w.epoch != plan.epoch) {
-                    self.wanted = Some(plan);
-                }
+                self.want(plan);
             }
             return;
         }
@@ -1205,6 +1201,18 @@ impl Queue {
     /// broker to ask of the node.
     pub fn take_wanted(&mut self) -> Option<ReadPlan> {
         self.wanted.take()
+    }
+
+    /// Want `plan` (see `wanted`), unless a read of a higher level is wanted in this state of
+    /// the queue (the head delivered next is the highest level's); a stale plan is replaced.
+    pub fn want(&mut self, plan: ReadPlan) {
+        if self
+            .wanted
+            .as_ref()
+            .is_none_or(|w| w.epoch != plan.epoch || w.level < plan.level)
+        {
+            self.wanted = Some(plan);
+        }
     }
 
     /// Whether a read is wanted (see `wanted`).

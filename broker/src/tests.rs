@@ -29,6 +29,20 @@ fn declare(b: &mut Broker, conn: ConnId, name: &str) -> String {
     .name
 }
 
+fn declare_durable(b: &mut Broker, conn: ConnId, name: &str) {
+    b.queue_declare(
+        conn,
+        "/",
+        QueueDeclare {
+            name: name.into(),
+            durable: true,
+            ..Default::default()
+        },
+        &mut Vec::new(),
+    )
+    .unwrap();
+}
+
 fn delivered(fx: &[Effect]) -> Vec<(String, u64, bool, String)> {
     fx.iter()
         .filter_map(|e| match e {
@@ -2049,4 +2063,38 @@ fn a_purge_tells_a_replica_what_left_its_disk_without_a_read() {
         replica.replicated_view().unwrap(),
         leader.replicated_view().unwrap()
     );
+}
+
+/// A get whose read of a paged-out head fails is not asked again and again: it answers
+/// get-empty (the failure is logged, the timer retries the read), and the next get gets the
+/// head.
+#[test]
+fn a_get_whose_read_fails_answers_at_once_and_the_next_gets_the_head() {
+    let (mut b, c, store, written) = async_pager();
+    declare_durable(&mut b, c, "q");
+    let n = 3 * queue::WINDOW_MESSAGES;
+    for i in 0..n {
+        b.publish(
+            "/",
+            persistent_msg("q", &format!("{i:05}")),
+            &mut Vec::new(),
+        )
+        .unwrap();
+        if i % 100 == 99 {
+            commit_to(&mut b, &store, &written);
+        }
+    }
+    commit_to(&mut b, &store, &written);
+    for i in 0..queue::WINDOW_MESSAGES {
+        let (got, _) = get_reading_outside(&mut b, c, &store, "q");
+        assert_eq!(got.as_deref(), Some(format!("{i:05}").as_str()));
+    }
+    store.fail.store(1, Ordering::SeqCst);
+    let before = store.reads.load(Ordering::SeqCst);
+    let (got, rounds) = get_reading_outside(&mut b, c, &store, "q");
+    assert_eq!((got, rounds), (None, 1));
+    assert_eq!(store.reads.load(Ordering::SeqCst), before + 1);
+    let w = queue::WINDOW_MESSAGES;
+    let (got, _) = get_reading_outside(&mut b, c, &store, "q");
+    assert_eq!(got.as_deref(), Some(format!("{w:05}").as_str()));
 }

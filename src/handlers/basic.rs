@@ -90,27 +90,34 @@ impl Session {
         // A head paged out is read with the broker lock released first (issue 13 point 5):
         // the get hands back the read it needs instead of getting, and is tried again with
         // what was read, which the queue takes in the same critical section as the get. Each
-        // round moves the queue on (the read is taken, or what made it stale, another read or
-        // a removal, was), so this ends; the bound is a guard against a defect.
-        let mut read = None;
-        for _ in 0..10_000 {
+        // round moves the queue on (a batch is taken, expired messages go, or what made the
+        // read stale, another read or a removal, happened); only the same read asked again
+        // and again (a defect) ends the connection.
+        let (mut read, mut last, mut same) = (None, None, 0);
+        loop {
             let got = self.run(Cmd::Get {
                 ch,
                 queue: queue.clone(),
                 no_ack: g.no_ack,
                 read: read.take(),
             })?;
-            match got {
-                Outcome::Read(request) => read = Some(Box::new(self.shared.read_for(request))),
-                _ => return Ok(()),
+            let Outcome::Read(request) = got else {
+                return Ok(());
+            };
+            if last.as_ref() == Some(&request.plan) {
+                same += 1;
+                if same >= 100 {
+                    return Err(AmqpError::connection(
+                        warren_protocol::ReplyCode::InternalError,
+                        format!("basic.get from queue '{queue}' asked for the same read 100 times"),
+                    ));
+                }
+            } else {
+                same = 0;
             }
+            last = Some(request.plan.clone());
+            read = Some(Box::new(self.shared.read_for(request)));
         }
-        Err(AmqpError::connection(
-            warren_protocol::ReplyCode::InternalError,
-            format!(
-                "basic.get from queue '{queue}' found its head still to read after 10000 reads"
-            ),
-        ))
     }
 
     fn basic_ack(&mut self, ch: u16, ack: TxAck) -> Result<(), AmqpError> {
