@@ -42,6 +42,10 @@ pub struct Shared {
     /// The memory alarm: true while resident memory is above the high watermark. Publishing
     /// connections wait on it as on the disk alarm.
     pub memory_alarm: watch::Sender<bool>,
+    /// The two alarms as one word (`DISK_ALARM`, `MEMORY_ALARM`), set with the watches
+    /// (`set_alarm`): a publishing connection looks at it once per frame, and a load costs
+    /// nothing where a watch's `borrow` takes and releases its lock (6% of S1's CPU).
+    pub alarms: std::sync::atomic::AtomicU8,
     /// Woken when a queue that held publishers is back under its window (`Effect::Drained`):
     /// the connections of those publishers wait on it.
     pub drained: Arc<tokio::sync::Notify>,
@@ -283,6 +287,10 @@ impl Drop for BrokerGuard<'_> {
     }
 }
 
+/// `Shared::alarms`' bits.
+pub const DISK_ALARM: u8 = 1;
+pub const MEMORY_ALARM: u8 = 2;
+
 /// Run a blocking read: on the server's runtime, the worker thread hands its other tasks to
 /// another first (a task queued behind this one would otherwise wait out the read too).
 fn blocking<R>(read: impl FnOnce() -> R) -> R {
@@ -333,6 +341,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(0),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
+            alarms: Default::default(),
             drained: Default::default(),
             registry: Registry::default(),
             max_connections: socket_budget(0),
@@ -453,6 +462,7 @@ impl Shared {
             disk_free_limit: std::sync::atomic::AtomicU64::new(limit),
             disk_alarm: watch::channel(false).0,
             memory_alarm: watch::channel(false).0,
+            alarms: Default::default(),
             drained: Default::default(),
             registry: Registry::default(),
             max_connections: socket_budget(store_files),
@@ -655,6 +665,27 @@ impl Shared {
             )),
         };
         crate::broker::cmd::ReadDone { request, data }
+    }
+
+    /// Raise (`on`) or clear the disk or memory alarm (`DISK_ALARM`, `MEMORY_ALARM`): the word
+    /// first, then the watch, whose waiters look at the word when woken.
+    pub fn set_alarm(&self, which: u8, on: bool) {
+        if on {
+            self.alarms.fetch_or(which, Ordering::AcqRel);
+        } else {
+            self.alarms.fetch_and(!which, Ordering::AcqRel);
+        }
+        let watch = if which == DISK_ALARM {
+            &self.disk_alarm
+        } else {
+            &self.memory_alarm
+        };
+        watch.send_replace(on);
+    }
+
+    /// Whether the disk or the memory alarm is raised (publishers wait while one is).
+    pub fn alarmed(&self) -> bool {
+        self.alarms.load(Ordering::Acquire) != 0
     }
 
     /// Whether this node serves clients and runs the timers that change state: a single

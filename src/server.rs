@@ -80,7 +80,7 @@ pub async fn serve(
                     } else {
                         info!(?free, limit, "disk alarm cleared");
                     }
-                    shared.disk_alarm.send_replace(low);
+                    shared.set_alarm(crate::node::DISK_ALARM, low);
                 }
             }
         }
@@ -110,7 +110,7 @@ pub async fn serve(
                     } else {
                         info!(used, limit, "memory alarm cleared");
                     }
-                    shared.memory_alarm.send_replace(high);
+                    shared.set_alarm(crate::node::MEMORY_ALARM, high);
                 }
             }
         }

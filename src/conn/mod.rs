@@ -218,9 +218,11 @@ async fn read_loop(
     loop {
         // Disk alarm: a connection that publishes stops being read (TCP back-pressure) until
         // the alarm clears; clients that understand it are told with connection.blocked.
-        if session.published && alarmed(&disk_alarm, &memory_alarm) && session.is_open() {
+        if session.published && shared.alarmed() && session.is_open() {
             session.published = false;
-            let reason = if *memory_alarm.borrow() {
+            let memory = shared.alarms.load(std::sync::atomic::Ordering::Acquire)
+                & crate::node::MEMORY_ALARM;
+            let reason = if memory != 0 {
                 "low on memory"
             } else {
                 "low on disk"
@@ -229,12 +231,12 @@ async fn read_loop(
             loop {
                 tokio::select! {
                     changed = disk_alarm.changed() => {
-                        if changed.is_err() || !alarmed(&disk_alarm, &memory_alarm) {
+                        if changed.is_err() || !shared.alarmed() {
                             break;
                         }
                     }
                     changed = memory_alarm.changed() => {
-                        if changed.is_err() || !alarmed(&disk_alarm, &memory_alarm) {
+                        if changed.is_err() || !shared.alarmed() {
                             break;
                         }
                     }
@@ -347,7 +349,7 @@ async fn read_loop(
                             if outbox.len() > OUTBOX_HIGH_WATER
                                 || session.throttle.is_some()
                                 || !session.hold.is_empty()
-                                || (session.published && alarmed(&disk_alarm, &memory_alarm))
+                                || (session.published && shared.alarmed())
                             {
                                 break;
                             }
@@ -407,11 +409,6 @@ async fn read_loop(
             }
         }
     }
-}
-
-/// Whether a resource alarm (disk or memory) is raised: publishers wait while one is.
-fn alarmed(disk: &watch::Receiver<bool>, memory: &watch::Receiver<bool>) -> bool {
-    *disk.borrow() || *memory.borrow()
 }
 
 /// Whether the read buffer holds at least one whole frame (else we are at the end of what the
