@@ -52,7 +52,8 @@ pub const MAGIC: [u8; 4] = *b"WRNR";
 /// node of version 2 cannot decode: it is refused at the handshake instead of stopping its
 /// state machine on the first such entry. 4: entries may hold user deletions (op tag 14).
 /// 5: entries may hold vhosts (op tags 15 and 16). 6: permissions and limits (17 to 20).
-pub const VERSION: u16 = 6;
+/// 7: topic permissions (21, 22) and a purge's counted key range (23).
+pub const VERSION: u16 = 7;
 /// The bytes of a snapshot file one `SnapshotChunk` carries at most.
 pub const SNAPSHOT_CHUNK: usize = 1 << 20;
 /// The longest frame body sent or accepted: 64 MiB.
