@@ -303,23 +303,6 @@ fn blocking<R>(read: impl FnOnce() -> R) -> R {
     }
 }
 
-/// The reads queues asked for (`Effect::Read`), taken out of `fx`: they are carried out once
-/// the broker lock is released.
-fn take_reads(fx: &mut Vec<Effect>) -> Vec<crate::broker::ReadRequest> {
-    if !fx.iter().any(|e| matches!(e, Effect::Read(_))) {
-        return Vec::new();
-    }
-    let mut reads = Vec::new();
-    fx.retain(|e| match e {
-        Effect::Read(r) => {
-            reads.push(r.clone());
-            false
-        }
-        _ => true,
-    });
-    reads
-}
-
 impl Shared {
     /// A broker that keeps nothing across restarts.
     pub fn new(config: Config) -> Arc<Self> {
@@ -573,7 +556,7 @@ impl Shared {
             // Removed while the broker lock is held: nothing can route to it after.
             self.outboxes.write().remove(&who.conn);
         }
-        let reads = take_reads(fx);
+        let reads = crate::broker::take_reads(fx);
         self.apply_effects(fx);
         let mut ticket = broker.flush();
         if let (Some(outbox), Some(hold)) = (held, began) {
@@ -640,7 +623,7 @@ impl Shared {
             for (r, data) in done {
                 broker.read_done(&r, data, &mut fx);
             }
-            reads = take_reads(&mut fx);
+            reads = crate::broker::take_reads(&mut fx);
             self.apply_effects(&mut fx);
         }
         if !reads.is_empty() {

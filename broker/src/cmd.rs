@@ -780,9 +780,9 @@ impl Broker {
                 // timer retries it): the get answers with what is in memory, get-empty if
                 // nothing, as before reads moved out of the lock.
                 let failed = read.as_ref().is_some_and(|done| done.data.is_err());
-                let took = read.map(|done| {
-                    self.take_head_read(&done.request, done.data);
-                    done.request.queue
+                let took = read.and_then(|done| {
+                    let id = done.request.queue;
+                    self.take_head_read(&done.request, done.data).then_some(id)
                 });
                 if !failed {
                     if let Some(read) = self.head_read_request(conn, who.vhost, &queue) {

@@ -108,6 +108,23 @@ pub struct ReadRequest {
     pub plan: queue::ReadPlan,
 }
 
+/// The reads queues asked for (`Effect::Read`), taken out of `fx` (the node carries them out
+/// once the broker lock is released).
+pub fn take_reads(fx: &mut Vec<Effect>) -> Vec<ReadRequest> {
+    if !fx.iter().any(|e| matches!(e, Effect::Read(_))) {
+        return Vec::new();
+    }
+    let mut reads = Vec::new();
+    fx.retain(|e| match e {
+        Effect::Read(r) => {
+            reads.push(r.clone());
+            false
+        }
+        _ => true,
+    });
+    reads
+}
+
 impl ReadRequest {
     fn of(queue: QueueId, q: &Queue, plan: queue::ReadPlan) -> Self {
         ReadRequest {
@@ -818,49 +835,42 @@ impl Broker {
         Some(ReadRequest::of(id, q, plan))
     }
 
-    /// A read a get asked for (`head_read_request`), read by the node: taken, without
-    /// handing anything to consumers before the get takes its message (the get hands them
-    /// the rest after, `dispatch_queue`). It answers a read the queue asked for its
-    /// consumers too, if the same.
+    /// A read the node did for a queue (`Effect::Read`, or a get's `head_read_request`): taken
+    /// (unless the queue moved on meanwhile: then it asks again), and what waited for the head
+    /// done, without handing anything to consumers yet (a get takes its message first, then
+    /// dispatches the rest). A failed read is tried again by the timer (`retry_reads`), not at
+    /// once. False if the queue is gone: not the same queue, but one that took its id in a
+    /// broker rebuilt meanwhile (a leader that stepped down rebuilds its broker from the
+    /// store).
     pub fn take_head_read(
         &mut self,
         req: &ReadRequest,
         data: Result<queue::ReadData, warren_storage::StoreError>,
-    ) {
+    ) -> bool {
         let Some(q) = self.replicated.queues.get_mut(&req.queue) else {
-            return;
+            return false;
         };
         if q.name != req.name || q.vhost != req.vhost {
-            return;
+            return false;
         }
         let failed = data.is_err();
         q.take_read(&req.plan, data);
         if !failed {
             self.took_head(req.queue);
         }
+        true
     }
 
-    /// The node read what a queue asked for (`Effect::Read`): take it (unless the queue moved
-    /// on meanwhile: then it asks again) and hand out what it can.
+    /// The node read what a queue asked for (`Effect::Read`): take it (`take_head_read`) and
+    /// hand out what it can.
     pub fn read_done(
         &mut self,
         req: &ReadRequest,
         data: Result<queue::ReadData, warren_storage::StoreError>,
         fx: &mut Vec<Effect>,
     ) {
-        let Some(q) = self.replicated.queues.get_mut(&req.queue) else {
+        if !self.take_head_read(req, data) {
             return;
-        };
-        // The same queue, not one that took its id in a broker rebuilt meanwhile (a leader
-        // that stepped down rebuilds its broker from the store).
-        if q.name != req.name || q.vhost != req.vhost {
-            return;
-        }
-        // A failed read is tried again by the timer (`retry_reads`), not at once.
-        let failed = data.is_err();
-        q.take_read(&req.plan, data);
-        if !failed {
-            self.took_head(req.queue);
         }
         self.settle(fx);
         self.dispatch(req.queue, fx);

@@ -1038,33 +1038,7 @@ fn a_purge_replicates_the_removal_of_replicated_messages_alone_with_their_sizes(
     commit(&mut leader, &ls, &lw);
     ship(&mut leader, &mut replica);
 
-    // 10 delivered and unacknowledged, then the purge.
-    fx.clear();
-    leader.qos(c, 1, 10, false, &mut fx);
-    leader
-        .consume(
-            c,
-            1,
-            "/",
-            "q",
-            "t",
-            false,
-            false,
-            &FieldTable::default(),
-            &mut fx,
-        )
-        .unwrap();
-    let got = delivered(&fx);
-    assert_eq!(got.len(), 10);
-    leader
-        .apply(
-            &Op::Purge {
-                vhost: "/".into(),
-                queue: "q".into(),
-            },
-            &mut fx,
-        )
-        .unwrap();
+    let got = ten_unacked_then_purge(&mut leader, c, &ls, &mut fx);
     commit(&mut leader, &ls, &lw);
     let ops = ship(&mut leader, &mut replica);
     let mut by_key = 0;
@@ -1714,14 +1688,7 @@ fn persistent_msg(key: &str, body: &str) -> Arc<Message> {
 fn serve_reads(b: &mut Broker, store: &FlakyReads, fx: &mut Vec<Effect>) -> usize {
     let mut n = 0;
     loop {
-        let mut reads = Vec::new();
-        fx.retain(|e| match e {
-            Effect::Read(r) => {
-                reads.push(r.clone());
-                false
-            }
-            _ => true,
-        });
+        let reads = take_reads(fx);
         if reads.is_empty() {
             return n;
         }
@@ -1731,6 +1698,40 @@ fn serve_reads(b: &mut Broker, store: &FlakyReads, fx: &mut Vec<Effect>) -> usiz
             b.read_done(&r, data, fx);
         }
     }
+}
+
+/// 10 messages of queue "q" delivered to a consumer on channel 1 and left unacknowledged
+/// (what the node must read for it read, as the node does), then the queue purged: the
+/// deliveries.
+fn ten_unacked_then_purge(
+    b: &mut Broker,
+    c: ConnId,
+    store: &FlakyReads,
+    fx: &mut Vec<Effect>,
+) -> Vec<(String, u64, bool, String)> {
+    fx.clear();
+    b.qos(c, 1, 10, false, fx);
+    b.consume(
+        c,
+        1,
+        "/",
+        "q",
+        "t",
+        false,
+        false,
+        &FieldTable::default(),
+        fx,
+    )
+    .unwrap();
+    serve_reads(b, store, fx);
+    let got = delivered(fx);
+    assert_eq!(got.len(), 10);
+    let purge = Op::Purge {
+        vhost: "/".into(),
+        queue: "q".into(),
+    };
+    b.apply(&purge, fx).unwrap();
+    got
 }
 
 /// basic.get through the core's one entry, as a connection does it: the read a get asks for
@@ -2006,34 +2007,7 @@ fn a_purge_tells_a_replica_what_left_its_disk_without_a_read() {
     commit_to(&mut leader, &ls, &lw);
     ship(&mut leader, &mut replica);
 
-    // 10 delivered and unacknowledged, then the purge.
-    fx.clear();
-    leader.qos(c, 1, 10, false, &mut fx);
-    leader
-        .consume(
-            c,
-            1,
-            "/",
-            "q",
-            "t",
-            false,
-            false,
-            &FieldTable::default(),
-            &mut fx,
-        )
-        .unwrap();
-    serve_reads(&mut leader, &ls, &mut fx);
-    let got = delivered(&fx);
-    assert_eq!(got.len(), 10);
-    leader
-        .apply(
-            &Op::Purge {
-                vhost: "/".into(),
-                queue: "q".into(),
-            },
-            &mut fx,
-        )
-        .unwrap();
+    let got = ten_unacked_then_purge(&mut leader, c, &ls, &mut fx);
     commit_to(&mut leader, &ls, &lw);
     let before = rs.reads.load(Ordering::SeqCst);
     let ops = ship(&mut leader, &mut replica);
