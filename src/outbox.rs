@@ -48,6 +48,11 @@ pub struct Outbox {
 struct Holds {
     marks: std::collections::VecDeque<Mark>,
     next_id: u64,
+    /// The connection.close or close-ok pushed behind a hold, with its offset in the buffer,
+    /// until the writer takes it: `abandon_held` pushes it again if it drops it. (A node that
+    /// stopped leading dropped a 320 pushed behind deliveries held for their commit, and the
+    /// client saw its socket end 2-3 s later with no close.)
+    ending: Option<(usize, AMQPClass)>,
 }
 
 #[derive(Debug)]
@@ -125,6 +130,21 @@ impl Outbox {
         });
     }
 
+    /// connection.close or connection.close-ok: the last frame the connection sends (see
+    /// `Holds::ending`; held bytes may be dropped, this never is).
+    pub(crate) fn connection_end(&self, method: &AMQPClass) {
+        let mut held = self.held.lock();
+        let mut buf = self.buf.lock();
+        if !held.marks.is_empty() {
+            held.ending = Some((buf.len(), method.clone()));
+        }
+        buf.method(0, method);
+        self.len.store(buf.len(), Ordering::Release);
+        drop(buf);
+        drop(held);
+        self.wake.notify_one();
+    }
+
     /// A publisher confirm.
     pub fn ack(&self, channel: u16, delivery_tag: u64, multiple: bool) {
         self.with(|b| b.ack(channel, delivery_tag, multiple));
@@ -147,11 +167,16 @@ impl Outbox {
                 for m in held.marks.iter_mut() {
                     m.from = m.from.saturating_sub(from);
                 }
+                held.ending = held
+                    .ending
+                    .take()
+                    .and_then(|(at, m)| at.checked_sub(from).map(|at| (at, m)));
                 self.len.store(buf.len(), Ordering::Release);
             }
             None => {
                 std::mem::swap(&mut *buf, into);
                 self.len.store(0, Ordering::Release);
+                held.ending = None;
             }
         }
     }
@@ -237,7 +262,8 @@ impl Outbox {
         }
     }
 
-    /// Drop what holds keep back (the connection ends before its commits are reported).
+    /// Drop what holds keep back (the connection ends before its commits are reported), all
+    /// but a connection.close or close-ok among it, which is pushed again after what is kept.
     pub(crate) fn abandon_held(&self) {
         let mut held = self.held.lock();
         let Some(first) = held.marks.front() else {
@@ -248,8 +274,16 @@ impl Outbox {
         let from = first.from.min(buf.len());
         buf.move_front(from, &mut front);
         *buf = front;
+        if let Some((at, method)) = held.ending.take() {
+            if at >= from {
+                buf.method(0, &method);
+            }
+        }
         self.len.store(buf.len(), Ordering::Release);
         held.marks.clear();
+        drop(buf);
+        drop(held);
+        self.wake.notify_one();
     }
 
     /// Whether `take` would hand over something now (bytes before the first hold).
@@ -269,5 +303,96 @@ impl Outbox {
     pub fn close_after_flush(&self) {
         self.close_after_flush.store(true, Ordering::Release);
         self.wake.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Outbox;
+    use amq_protocol::protocol::{connection, AMQPClass};
+    use warren_protocol::OutBuffer;
+
+    fn close_320() -> AMQPClass {
+        AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+            reply_code: 320,
+            reply_text: "leader changed".into(),
+            class_id: 0,
+            method_id: 0,
+        }))
+    }
+
+    fn close_ok() -> AMQPClass {
+        AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {}))
+    }
+
+    fn taken(o: &Outbox) -> Vec<u8> {
+        let mut out = OutBuffer::new();
+        o.take(&mut out);
+        out.to_vec()
+    }
+
+    fn frames(f: impl FnOnce(&mut OutBuffer)) -> Vec<u8> {
+        let mut b = OutBuffer::new();
+        f(&mut b);
+        b.to_vec()
+    }
+
+    #[test]
+    fn a_close_pushed_behind_held_bytes_survives_their_abandon() {
+        for end in [close_320(), close_ok()] {
+            let o = Outbox::new(131072);
+            o.ack(1, 1, false);
+            o.hold_until(7);
+            o.ack(1, 2, false);
+            o.connection_end(&end);
+            // The writer takes what is before the hold; the close waits behind it.
+            assert_eq!(taken(&o), frames(|b| b.ack(1, 1, false)));
+            assert!(taken(&o).is_empty());
+            // The node stops leading: the held confirm is dropped, the close goes out.
+            o.abandon_held();
+            assert_eq!(taken(&o), frames(|b| b.method(0, &end)));
+            assert!(!o.is_held());
+        }
+    }
+
+    #[test]
+    fn a_close_already_written_is_not_pushed_again_by_a_later_abandon() {
+        let o = Outbox::new(131072);
+        o.hold_until(3);
+        o.ack(1, 1, false);
+        o.connection_end(&close_320());
+        o.release(3);
+        assert_eq!(
+            taken(&o),
+            frames(|b| {
+                b.ack(1, 1, false);
+                b.method(0, &close_320());
+            })
+        );
+        // Deliveries dispatched after the close and held for a later commit, then dropped.
+        o.hold_until(4);
+        o.ack(1, 2, false);
+        o.abandon_held();
+        assert!(taken(&o).is_empty());
+    }
+
+    #[test]
+    fn a_close_ahead_of_a_later_hold_is_kept_where_it_is() {
+        let o = Outbox::new(131072);
+        o.hold_until(3);
+        o.ack(1, 1, false);
+        o.connection_end(&close_320());
+        // A partial take (a mark released in between) keeps the close's offset right.
+        o.release(3);
+        o.hold_until(5);
+        o.ack(1, 2, false);
+        o.abandon_held();
+        assert_eq!(
+            taken(&o),
+            frames(|b| {
+                b.ack(1, 1, false);
+                b.method(0, &close_320());
+            })
+        );
     }
 }

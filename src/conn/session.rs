@@ -424,7 +424,7 @@ impl Session {
         }
         let mut e = e;
         e.hard = true;
-        self.outbox.method(0, &e.close_method());
+        self.outbox.connection_end(&e.close_method());
         self.phase = Phase::Closing;
         Next::Closing
     }
@@ -459,7 +459,7 @@ impl Session {
         }
         let mut err = err;
         err.hard = true;
-        self.outbox.method(0, &err.close_method());
+        self.outbox.connection_end(&err.close_method());
         self.phase = Phase::Closing;
     }
 
@@ -473,7 +473,7 @@ impl Session {
             return;
         }
         let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
-        self.outbox.method(0, &e.close_method());
+        self.outbox.connection_end(&e.close_method());
         self.phase = Phase::Closing;
     }
 
@@ -488,9 +488,14 @@ impl Session {
         if self.phase == Phase::Closed {
             return;
         }
+        // A close already pushed is kept (or pushed again) by the abandon: a second
+        // connection.close would only confuse the client.
         self.outbox.abandon_held();
+        if self.phase == Phase::Closing {
+            return;
+        }
         let e = AmqpError::connection(ReplyCode::InternalError, text);
-        self.outbox.method(0, &e.close_method());
+        self.outbox.connection_end(&e.close_method());
         self.phase = Phase::Closing;
     }
 
@@ -574,10 +579,11 @@ impl Session {
             // and deliveries waiting for commits) never goes out. A connection already
             // closing or closed sends nothing more.
             self.commit_waits.clear();
+            // A close or close-ok already pushed behind held bytes is kept by the abandon.
+            self.outbox.abandon_held();
             if matches!(self.phase, Phase::Closing | Phase::Closed) {
                 return;
             }
-            self.outbox.abandon_held();
             self.force_close("leader changed: this node no longer leads; what was not confirmed yet may or may not have been committed");
             return;
         }

@@ -386,10 +386,8 @@ impl Session {
     }
 
     pub(crate) fn send_connection_close_ok(&mut self) {
-        self.outbox.method(
-            0,
-            &AMQPClass::Connection(M::CloseOk(connection::CloseOk {})),
-        );
+        self.outbox
+            .connection_end(&AMQPClass::Connection(M::CloseOk(connection::CloseOk {})));
     }
 
     /// Methods on channel 0 once the connection is open.
