@@ -18,14 +18,20 @@ echo "== cargo test"
 # leaders lose their lease now and then, and a publish of those tests' was nacked.
 cargo test --workspace -- --test-threads=1
 echo "== client library suites against the warren binary"
-cargo build --bin warren
-bash compat/lapin-suite.sh "$CARGO_TARGET_DIR/debug/warren"
-bash compat/lapin-tls.sh "$CARGO_TARGET_DIR/debug/warren"
-bash compat/go-suite.sh "$CARGO_TARGET_DIR/debug/warren"
-bash compat/node/run.sh "$CARGO_TARGET_DIR/debug/warren"
-bash compat/py-suites.sh "$CARGO_TARGET_DIR/debug/warren"
-bash compat/run.sh "$CARGO_TARGET_DIR/debug/warren" "$WARREN_VENV/bin/python"
+# The release binary: what users run. lapin's own ack_after_close test races a channel close
+# against acks in flight and failed about 2 runs in 3 against the debug binary, which works
+# through a thousand queued acks too slowly for the close to land before the client's last ack.
+cargo build --release --bin warren
+release="$CARGO_TARGET_DIR/release/warren"
+bash compat/lapin-suite.sh "$release"
+bash compat/lapin-tls.sh "$release"
+bash compat/go-suite.sh "$release"
+bash compat/node/run.sh "$release"
+bash compat/py-suites.sh "$release"
+bash compat/run.sh "$release" "$WARREN_VENV/bin/python"
 echo "== chaos: 3 nodes behind Raft fault proxies, a seeded nemesis, the history checked"
-# The short variant (about 2 minutes); scripts/chaos.py --runs 50 is the long one.
+# The short variant (about 2 minutes); scripts/chaos.py --runs 50 is the long one. The debug
+# binary, as the 50 runs of the README were measured with.
+cargo build --bin warren
 "$WARREN_VENV/bin/python" scripts/chaos.py --seed "${WARREN_CHAOS_SEED:-1}" --duration 90 \
     --binary "$CARGO_TARGET_DIR/debug/warren"
