@@ -347,6 +347,7 @@ async fn read_loop(
                         let mut more = 0;
                         while matches!(next, Next::Continue) && more < 256 {
                             if outbox.len() > OUTBOX_HIGH_WATER
+                                || session.closed_channel
                                 || session.throttle.is_some()
                                 || !session.hold.is_empty()
                                 || (session.published && shared.alarmed())
@@ -368,6 +369,14 @@ async fn read_loop(
                         }
                         if !has_complete_frame(frames.read_buffer()) {
                             session.flush_confirms();
+                        }
+                        if std::mem::take(&mut session.closed_channel) {
+                            // The writer was woken from this task, so tokio runs it on this
+                            // worker only once this task yields, and reads of a busy socket
+                            // are ready at once: without a yield the channel.close waited
+                            // behind every frame the client kept sending (RabbitMQ's comes back
+                            // between them; lapin's ack_after_close test relies on it).
+                            tokio::task::yield_now().await;
                         }
                         frames.decoder_mut().frame_max = session.frame_max();
                         match next {

@@ -138,6 +138,9 @@ pub struct Session {
     /// Numbers channel generations.
     pub(crate) next_generation: u64,
     /// A basic.publish arrived since the connection task last looked (disk alarm blocking).
+    /// A channel.close was just pushed: the read loop stops handling buffered frames and
+    /// lets the writer run before reading on (see `read_loop`).
+    pub(crate) closed_channel: bool,
     pub(crate) published: bool,
     /// A publish went to a queue past its in-memory window: read nothing more from this client
     /// until the store has written up to this commit ticket (flow control: a publisher to a
@@ -228,6 +231,7 @@ impl Session {
             commit_waits: VecDeque::new(),
             next_generation: 1,
             published: false,
+            closed_channel: false,
             throttle: None,
             hold: Default::default(),
             blocked_capability: false,
@@ -416,6 +420,7 @@ impl Session {
         debug!(channel, code = e.code.code(), text = %e.text, "error");
         if !e.hard && channel != 0 && self.channels.contains_key(&channel) {
             self.outbox.method(channel, &e.close_method());
+            self.closed_channel = true;
             self.close_channel_state(channel);
             if let Some(chan) = self.channels.get_mut(&channel) {
                 chan.closing = true;
