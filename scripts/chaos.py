@@ -49,7 +49,9 @@ proxy AMQP to the leader).
 The nemesis follows a plan drawn from random.Random(seed) (kinds, durations, which follower, ...;
 the leader is whoever leads then): before each fault it waits a gap of --min-gap..--max-gap
 seconds and until the cluster is healthy (one serving leader named by all three nodes, three
-voters, followers' applied index caught up with the leader's; at most --recover-timeout). Kinds:
+voters, followers' applied index caught up with the leader's, and while publishers run a confirm
+within --commit-stall seconds, so a leader that serves but never commits is caught; at most
+--recover-timeout). Kinds:
   kill_leader       SIGKILL the leader, restart it (same data) 0.5-4 s later
   pause_leader      SIGSTOP the leader for 1.5-5 s, then SIGCONT
   partition_leader  cut (or blackhole) every Raft link to and from the leader for 2-6 s, heal
@@ -852,6 +854,18 @@ class Chaos:
                 self.unhealthy = "node %d: %s (leader applied %s)" % (
                     n.id, f and {k: f.get(k) for k in ("role", "leader_id", "applied_index")},
                     st.get("applied_index"))
+                return None, st
+        # Commit progress while publishers run. A leader can serve (lease valid, heartbeats
+        # answered, every applied index equal) and never commit again: seed 49's stalled
+        # proposer (fixed in 19274fd) passed every check above. A confirm must have come within
+        # --commit-stall seconds (the publishers send at --rate, so a serving cluster confirms).
+        running = [p for p in self.pubs if not p.stop.is_set()]
+        if running and self.a.commit_stall > 0:
+            last = max((p.confirms[-1][0] for p in running if p.confirms), default=None)
+            if last is None or now() - last > self.a.commit_stall:
+                self.unhealthy = "no confirm for %s s while publishers run (leader %d commit %s)" % (
+                    "ever" if last is None else "%.1f" % (now() - last), lid,
+                    st.get("commit_index"))
                 return None, st
         self.unhealthy = None
         return lid, st
@@ -1839,6 +1853,9 @@ def main():
                     + ",".join(k for k, _ in KINDS))
     ap.add_argument("--min-gap", type=float, default=1.0, help="seconds between faults, least")
     ap.add_argument("--max-gap", type=float, default=3.0)
+    ap.add_argument("--commit-stall", type=float, default=5,
+                    help="healthy needs a confirm within this many seconds while publishers "
+                    "run (0: no such check)")
     ap.add_argument("--recover-timeout", type=float, default=60,
                     help="a fault's end -> healthy cluster, at most (else the run is aborted)")
     ap.add_argument("--rate", type=float, default=150, help="messages/s per publisher (0: "
