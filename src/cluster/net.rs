@@ -58,6 +58,38 @@ pub const VERSION: u16 = 7;
 pub const SNAPSHOT_CHUNK: usize = 1 << 20;
 /// The longest frame body sent or accepted: 64 MiB.
 pub const MAX_FRAME: usize = 64 << 20;
+
+/// The entry bytes one AppendEntries carries at most (unless it is one entry). openraft 0.9
+/// gives the whole call one heartbeat interval (it wraps it in a timeout of its own,
+/// replication/mod.rs), and a follower catching up was sent up to `max_payload_entries` (64)
+/// entries of up to 1 MiB, whose fsync outlasted the heartbeat: the call timed out again and
+/// again, and the leader, its acks missing, lost its lease. Past this budget the call answers
+/// PayloadTooLarge with the number of entries that fit, which openraft sends instead (and keeps
+/// as its hint for the next ten calls).
+const APPEND_BYTES: usize = 4 << 20;
+
+/// How many of these entries (their payload sizes, in order) fit in `budget` bytes: at least
+/// one.
+fn entries_within(sizes: impl Iterator<Item = usize>, budget: usize) -> usize {
+    let mut total = 0usize;
+    let mut n = 0;
+    for size in sizes {
+        total = total.saturating_add(size);
+        if n > 0 && total > budget {
+            break;
+        }
+        n += 1;
+    }
+    n
+}
+
+fn payload_size(entry: &openraft::Entry<TypeConfig>) -> usize {
+    match &entry.payload {
+        openraft::EntryPayload::Normal(batch) => batch.ops.len(),
+        // A membership or a blank entry is small.
+        _ => 64,
+    }
+}
 /// The longest frame accepted before the handshake: a `Hello` is a few dozen bytes, and a peer
 /// that has not said who it is must not make the server reserve 64 MiB.
 const MAX_HELLO_FRAME: usize = 4 << 10;
@@ -848,6 +880,16 @@ impl RaftNetwork<TypeConfig> for Network {
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, NodeInfo, RaftError<NodeId>>> {
         let entries = rpc.entries.len();
+        let fit = entries_within(rpc.entries.iter().map(payload_size), APPEND_BYTES);
+        if fit < entries {
+            debug!(
+                target = self.target,
+                entries, fit, "raft: AppendEntries over the byte budget; asking for fewer"
+            );
+            return Err(RPCError::PayloadTooLarge(
+                PayloadTooLarge::new_entries_hint(fit as u64),
+            ));
+        }
         let frame = match encode_request(&Request::AppendEntries(rpc)) {
             Ok(frame) => frame,
             Err(CallError::TooLarge(len)) => {
@@ -1677,6 +1719,23 @@ mod tests {
             }
         });
         (node, conns)
+    }
+
+    #[test]
+    fn an_append_carries_at_most_its_byte_budget_of_entries_but_always_one() {
+        use super::entries_within;
+        let mib = 1 << 20;
+        // Catch-up after an outage: 64 entries of 1 MiB become calls of 4.
+        assert_eq!(entries_within(std::iter::repeat_n(mib, 64), 4 * mib), 4);
+        assert_eq!(
+            entries_within([mib, mib, 2 * mib, 1].into_iter(), 4 * mib),
+            3
+        );
+        // A steady stream of small entries goes as before.
+        assert_eq!(entries_within(std::iter::repeat_n(1000, 64), 4 * mib), 64);
+        // One entry over the budget still goes alone (the frame limit is 64 MiB).
+        assert_eq!(entries_within([9 * mib, 1].into_iter(), 4 * mib), 1);
+        assert_eq!(entries_within(std::iter::empty(), 4 * mib), 0);
     }
 
     #[tokio::test]
