@@ -52,7 +52,7 @@ use open::{lock, map_err, Mode, Tuning, SENTINEL};
 use rocksdb::{
     DBWithThreadMode, Direction, IteratorMode, MultiThreaded, ReadOptions, WriteBatch, WriteOptions,
 };
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -122,6 +122,9 @@ pub(crate) struct Inner {
     /// Messages of queues without a definition that the last scan dropped:
     /// (vhost, queue, messages). Normal for non-durable queues' spills; reported by salvage.
     orphans: Mutex<Vec<(String, String, u64)>>,
+    /// Write batches handed to RocksDB so far (a store write is one, unless a logged store
+    /// switches between logged ops and spills).
+    batches: AtomicU64,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -222,6 +225,7 @@ impl RocksStore {
             health: Mutex::new(Default::default()),
             jobs: Default::default(),
             orphans: Mutex::new(Vec::new()),
+            batches: AtomicU64::new(0),
         });
         let scanned = {
             let _w = lock(&inner.writing);
@@ -389,19 +393,21 @@ impl View<'_> {
     }
 
     /// Drop the references held by the entries of the queue with key prefix `prefix` and keys
-    /// in `from..=to`. Reads the stored keys, so the caller writes what is pending first.
+    /// in `from..=to`: those stored, less those this write removed already, and those this
+    /// write put (`pending`: the write is still one batch, see `Pending`).
     fn unref_range(
         &self,
         prefix: &[u8],
         from: u64,
         to: u64,
         batch: &mut WriteBatch,
+        pending: &Pending,
     ) -> Result<(), StoreError> {
         let mut refs = self.refs();
         if refs.is_empty() {
             return Ok(());
         }
-        let mut ids = Vec::new();
+        let mut ids = BTreeSet::new();
         let start = message_key_bytes(prefix, from);
         let h = self.messages()?;
         for item in self
@@ -416,7 +422,13 @@ impl View<'_> {
             if key > to {
                 break;
             }
-            ids.push(key_id(key));
+            if !pending.removed(&k) {
+                ids.insert(key_id(key));
+            }
+        }
+        let end = message_key_bytes(prefix, to);
+        for k in pending.put.range(start..=end) {
+            ids.insert(key_id(self.message_key(&k[prefix.len()..])?));
         }
         for id in ids {
             self.unref(&mut refs, id, batch)?;
@@ -498,6 +510,7 @@ impl View<'_> {
         }
         let mut opts = WriteOptions::default();
         opts.set_sync(sync);
+        self.inner.batches.fetch_add(1, Ordering::Relaxed);
         self.db.write_opt(batch, &opts).map_err(|e| self.err(e))?;
         let seq = self.db.latest_sequence_number();
         self.inner.last_logged.store(seq, Ordering::Release);
@@ -531,6 +544,7 @@ impl View<'_> {
     fn commit_unlogged(&self, batch: WriteBatch) -> Result<(), StoreError> {
         let mut opts = WriteOptions::default();
         opts.disable_wal(true);
+        self.inner.batches.fetch_add(1, Ordering::Relaxed);
         self.db.write_opt(batch, &opts).map_err(|e| self.err(e))
     }
 
@@ -572,6 +586,55 @@ struct Batches {
     /// Key ranges (inclusive) deleted by this write whose table files may be dropped once it
     /// is synced: ranges nothing later in the same write put keys into again.
     reclaim: Vec<(Vec<u8>, Vec<u8>)>,
+    pending: Pending,
+}
+
+/// The queue entries referring to shared (fan-out) bodies that this write put or removed so
+/// far, by full message key. A range removal (purge, queue deletion, `RemoveRange`) drops the
+/// references of the entries in its range: those stored (read from the store) and those still
+/// pending in this write's batch, which a read does not see. Before, the range removal wrote
+/// what was pending first: in an unlogged store (a cluster node) that split one write in two,
+/// and a memtable flush between them followed by a crash left the first part on disk without
+/// the applied position, so the node applied that entry a second time (a duplicate in its
+/// queue). Entries that refer to no shared body need no record: dropping them drops nothing.
+#[derive(Default)]
+struct Pending {
+    /// Shared-body entries put by this write (and not removed since).
+    put: BTreeSet<Vec<u8>>,
+    /// Shared-body entries removed one by one by this write.
+    removed: HashSet<Vec<u8>>,
+    /// Key ranges (inclusive) removed by this write.
+    ranges: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Pending {
+    fn put(&mut self, key: &[u8]) {
+        self.removed.remove(key);
+        self.put.insert(key.to_vec());
+    }
+
+    fn remove(&mut self, key: &[u8]) {
+        if !self.put.remove(key) {
+            self.removed.insert(key.to_vec());
+        }
+    }
+
+    fn remove_range(&mut self, from: Vec<u8>, to: Vec<u8>) {
+        let inside: Vec<Vec<u8>> = self.put.range(from.clone()..=to.clone()).cloned().collect();
+        for k in inside {
+            self.put.remove(&k);
+        }
+        self.ranges.push((from, to));
+    }
+
+    /// Whether this write already removed the stored entry `key` (its references are dropped).
+    fn removed(&self, key: &[u8]) -> bool {
+        self.removed.contains(key)
+            || self
+                .ranges
+                .iter()
+                .any(|(from, to)| &from[..] <= key && key <= &to[..])
+    }
 }
 
 impl Batches {
@@ -593,24 +656,6 @@ impl Batches {
             self.logged_written = true;
         }
         Ok(&mut self.unlogged)
-    }
-
-    /// Write everything pending now (unsynced). In an unlogged store this splits the write in
-    /// two (only a range removal while shared bodies exist does it), and a memtable flush
-    /// could land between them: a crash after that would leave the first part on disk without
-    /// the applied position, and the node would apply its entry again.
-    fn flush(&mut self, store: &View<'_>) -> Result<(), StoreError> {
-        if store.inner.tuning.unlogged {
-            if !self.logged.is_empty() {
-                store.commit(std::mem::take(&mut self.logged), false)?;
-            }
-            return Ok(());
-        }
-        self.unlogged(store)?;
-        if !self.unlogged.is_empty() {
-            store.commit_unlogged(std::mem::take(&mut self.unlogged))?;
-        }
-        Ok(())
     }
 
     fn finish(mut self, store: &View<'_>, sync: bool) -> Result<(), StoreError> {
@@ -758,6 +803,7 @@ impl View<'_> {
             unlogged: WriteBatch::default(),
             logged_written: false,
             reclaim: Vec::new(),
+            pending: Pending::default(),
         };
         // Bindings put earlier in this batch (a later delete in the batch must see them too).
         let mut added: Vec<BindingKey> = Vec::new();
@@ -878,7 +924,7 @@ impl View<'_> {
                     // Writes pending spills first; then the logged batch and the reclaim list
                     // are borrowed apart.
                     b.logged(self)?;
-                    let (batch, reclaim) = (&mut b.logged, &mut b.reclaim);
+                    let (batch, reclaim, pending) = (&mut b.logged, &mut b.reclaim, &mut b.pending);
                     if let [(q, level)] = &queues[..] {
                         let key = warren_storage::message_key(*level, *id);
                         let k = message_key_in(&mut key_buf, vhost, q, key);
@@ -891,6 +937,7 @@ impl View<'_> {
                             let k = message_key_in(&mut key_buf, vhost, q, key);
                             keep_out_of_reclaim(reclaim, k);
                             batch.put_cf(&messages, k, [SHARED_TAG]);
+                            pending.put(k);
                         }
                         self.refs().insert(*id, queues.len() as u32);
                     }
@@ -898,11 +945,16 @@ impl View<'_> {
                 Op::Remove {
                     vhost, queue, keys, ..
                 } => {
-                    let batch = b.logged(self)?;
+                    b.logged(self)?;
+                    let (batch, pending) = (&mut b.logged, &mut b.pending);
                     let mut refs = self.refs();
                     for k in keys {
-                        batch.delete_cf(&messages, message_key_in(&mut key_buf, vhost, queue, *k));
+                        let key = message_key_in(&mut key_buf, vhost, queue, *k);
+                        batch.delete_cf(&messages, key);
                         if !refs.is_empty() {
+                            if refs.contains_key(&key_id(*k)) {
+                                pending.remove(key);
+                            }
                             self.unref(&mut refs, key_id(*k), batch)?;
                         }
                     }
@@ -930,6 +982,7 @@ impl View<'_> {
                     if let Some(n) = refs.get_mut(&key_id(*key)) {
                         *n += 1;
                         batch.put_cf(&messages, k, [SHARED_TAG]);
+                        b.pending.put(k);
                     } else {
                         op.message_value_into(&mut value_buf);
                         batch.put_cf(&messages, k, &value_buf);
@@ -1470,12 +1523,14 @@ impl View<'_> {
         from: u64,
         to: u64,
     ) -> Result<(), StoreError> {
-        if !self.refs().is_empty() {
-            b.flush(self)?;
-        }
         let messages = self.messages()?;
-        let batch = b.logged(self)?;
-        self.unref_range(prefix, from, to, batch)?;
+        b.logged(self)?;
+        self.unref_range(prefix, from, to, &mut b.logged, &b.pending)?;
+        b.pending.remove_range(
+            message_key_bytes(prefix, from),
+            message_key_bytes(prefix, to),
+        );
+        let batch = &mut b.logged;
         if to == u64::MAX {
             batch.delete_range_cf(
                 &messages,
@@ -1555,6 +1610,81 @@ mod tests {
         let got = s.read("/", "b", 0, u64::MAX, 10, usize::MAX).unwrap();
         assert_eq!(got.iter().map(|m| m.key).collect::<Vec<_>>(), vec![1]);
         assert_eq!(s.shared_bodies(), 1);
+    }
+
+    /// A range removal among entries of shared bodies is part of its write's one batch (in an
+    /// unlogged store, a write split in two could lose its applied position to a crash between
+    /// the parts: a cluster node then applied the entry again), and drops each reference once:
+    /// stored ones, ones put earlier in the same write, none that the write removed already.
+    #[test]
+    fn a_range_removal_among_shared_bodies_is_one_batch_and_drops_each_reference_once() {
+        for unlogged in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let opts = OpenOptions {
+                unlogged,
+                ..Default::default()
+            };
+            let s = RocksStore::open_with(dir.path(), &opts).unwrap();
+            s.write_applied(
+                &[declare("a"), declare("b"), fanned(1), fanned(2)],
+                b"1",
+                true,
+            )
+            .unwrap();
+            let remove_a1 = Op::Remove {
+                vhost: "/".into(),
+                queue: "a".into(),
+                keys: vec![1],
+                sizes: vec![6],
+            };
+            let purge_a = Op::Purge {
+                vhost: "/".into(),
+                queue: "a".into(),
+            };
+            let before = s.inner.batches.load(Ordering::Relaxed);
+            s.write_applied(&[fanned(3), remove_a1, purge_a], b"2", false)
+                .unwrap();
+            assert_eq!(
+                s.inner.batches.load(Ordering::Relaxed) - before,
+                1,
+                "unlogged {unlogged}: the write went in more than one batch"
+            );
+            let counted = s
+                .inner
+                .with_view(|v| {
+                    let counted = v.refs().clone();
+                    v.recount_refs()?;
+                    assert_eq!(
+                        *v.refs(),
+                        counted,
+                        "unlogged {unlogged}: counts off the disk's"
+                    );
+                    Ok(counted)
+                })
+                .unwrap();
+            // Queue b alone refers to each body now.
+            assert_eq!(counted, HashMap::from([(1, 1), (2, 1), (3, 1)]));
+            assert_eq!(s.shared_bodies(), 3);
+            let b = s.read("/", "b", 0, u64::MAX, 10, usize::MAX).unwrap();
+            assert_eq!(b.iter().map(|m| m.key).collect::<Vec<_>>(), vec![1, 2, 3]);
+            assert!(s
+                .read("/", "a", 0, u64::MAX, 10, usize::MAX)
+                .unwrap()
+                .is_empty());
+            // A second purge, of b, in one write with a new fan-out: every body goes.
+            let purge_b = Op::Purge {
+                vhost: "/".into(),
+                queue: "b".into(),
+            };
+            let purge_a = Op::Purge {
+                vhost: "/".into(),
+                queue: "a".into(),
+            };
+            s.write_applied(&[fanned(4), purge_b, purge_a], b"3", false)
+                .unwrap();
+            assert_eq!(s.shared_bodies(), 0, "unlogged {unlogged}");
+            assert!(s.inner.with_view(|v| Ok(v.refs().is_empty())).unwrap());
+        }
     }
 
     fn enqueue(queue: &str, id: u64, body: Bytes) -> Op {
