@@ -601,7 +601,7 @@ struct Batches {
 struct Pending {
     /// Shared-body entries put by this write (and not removed since).
     put: BTreeSet<Vec<u8>>,
-    /// Shared-body entries removed one by one by this write.
+    /// Shared-body entries removed one by one by this write (stored or put by it).
     removed: HashSet<Vec<u8>>,
     /// Key ranges (inclusive) removed by this write.
     ranges: Vec<(Vec<u8>, Vec<u8>)>,
@@ -613,10 +613,12 @@ impl Pending {
         self.put.insert(key.to_vec());
     }
 
+    /// Always recorded as removed, also when this write put it: a logged store commits part
+    /// of a write when it switches between logged ops and spills, so a put of this write may
+    /// be stored already.
     fn remove(&mut self, key: &[u8]) {
-        if !self.put.remove(key) {
-            self.removed.insert(key.to_vec());
-        }
+        self.put.remove(key);
+        self.removed.insert(key.to_vec());
     }
 
     fn remove_range(&mut self, from: Vec<u8>, to: Vec<u8>) {
@@ -1523,6 +1525,11 @@ impl View<'_> {
         from: u64,
         to: u64,
     ) -> Result<(), StoreError> {
+        if from > to {
+            // An empty range (a replicated op is decoded, not trusted): nothing to remove, and
+            // the key ranges below would be inverted.
+            return Ok(());
+        }
         let messages = self.messages()?;
         b.logged(self)?;
         self.unref_range(prefix, from, to, &mut b.logged, &b.pending)?;
@@ -1684,6 +1691,66 @@ mod tests {
                 .unwrap();
             assert_eq!(s.shared_bodies(), 0, "unlogged {unlogged}");
             assert!(s.inner.with_view(|v| Ok(v.refs().is_empty())).unwrap());
+        }
+    }
+
+    /// A logged store commits part of a write when it switches between logged ops and spills:
+    /// an entry put and removed in the same write may be stored by then, and a range removal
+    /// after it must not drop its reference a second time (the body would go while another
+    /// queue still refers to it). Both orders the broker writes: a spill between the fan-out
+    /// and its removal, and a spill of a shared body removed before a purge's range.
+    #[test]
+    fn an_entry_put_and_removed_in_one_write_is_unreferenced_once_whatever_was_committed() {
+        fn spill(queue: &str, key: u64) -> Op {
+            Op::Spill {
+                vhost: "/".into(),
+                queue: queue.into(),
+                key,
+                timestamp_ms: 0,
+                exchange: "".into(),
+                routing_key: "".into(),
+                properties: Bytes::from_static(&[0, 0]),
+                body: Bytes::from_static(b"spilled").into(),
+            }
+        }
+        fn remove(queue: &str, key: u64) -> Op {
+            Op::Remove {
+                vhost: "/".into(),
+                queue: queue.into(),
+                keys: vec![key],
+                sizes: vec![],
+            }
+        }
+        fn purge(queue: &str) -> Op {
+            Op::Purge {
+                vhost: "/".into(),
+                queue: queue.into(),
+            }
+        }
+        for unlogged in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let opts = OpenOptions {
+                unlogged,
+                ..Default::default()
+            };
+            let s = RocksStore::open_with(dir.path(), &opts).unwrap();
+            s.write_applied(&[declare("a"), declare("b"), declare("c")], b"1", true)
+                .unwrap();
+            // A fan-out to a and b, a spill elsewhere, then a's entry removed and a purged.
+            s.write_applied(
+                &[fanned(5), spill("c", 90), remove("a", 5), purge("a")],
+                b"2",
+                false,
+            )
+            .unwrap();
+            // A spill of that shared body into c, removed, then c purged.
+            s.write_applied(&[spill("c", 5), remove("c", 5), purge("c")], b"3", false)
+                .unwrap();
+            let counted = s.inner.with_view(|v| Ok(v.refs().clone())).unwrap();
+            assert_eq!(counted, HashMap::from([(5, 1)]), "unlogged {unlogged}");
+            assert_eq!(s.shared_bodies(), 1, "unlogged {unlogged}");
+            let b = s.read("/", "b", 0, u64::MAX, 10, usize::MAX).unwrap();
+            assert_eq!(b.iter().map(|m| m.key).collect::<Vec<_>>(), vec![5]);
         }
     }
 

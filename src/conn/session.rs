@@ -137,10 +137,10 @@ pub struct Session {
     pub(crate) commit_waits: VecDeque<CommitWait>,
     /// Numbers channel generations.
     pub(crate) next_generation: u64,
-    /// A basic.publish arrived since the connection task last looked (disk alarm blocking).
     /// A channel.close was just pushed: the read loop stops handling buffered frames and
     /// lets the writer run before reading on (see `read_loop`).
     pub(crate) closed_channel: bool,
+    /// A basic.publish arrived since the connection task last looked (disk alarm blocking).
     pub(crate) published: bool,
     /// A publish went to a queue past its in-memory window: read nothing more from this client
     /// until the store has written up to this commit ticket (flow control: a publisher to a
@@ -490,13 +490,11 @@ impl Session {
 
     /// Like `internal_error`, with this reply text.
     pub fn internal_error_with(&mut self, text: &str) {
-        if self.phase == Phase::Closed {
-            return;
-        }
-        // A close already pushed is kept (or pushed again) by the abandon: a second
-        // connection.close would only confuse the client.
+        // A close or close-ok already pushed is kept (or pushed again) by the abandon (a
+        // client's close-ok held behind a declare whose commit failed went out with it);
+        // a second connection.close would only confuse the client.
         self.outbox.abandon_held();
-        if self.phase == Phase::Closing {
+        if matches!(self.phase, Phase::Closing | Phase::Closed) {
             return;
         }
         let e = AmqpError::connection(ReplyCode::InternalError, text);
