@@ -1619,6 +1619,44 @@ mod tests {
         assert_eq!(s.shared_bodies(), 1);
     }
 
+    fn spill(queue: &str, key: u64) -> Op {
+        Op::Spill {
+            vhost: "/".into(),
+            queue: queue.into(),
+            key,
+            timestamp_ms: 0,
+            exchange: "".into(),
+            routing_key: "".into(),
+            properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from_static(b"spilled").into(),
+        }
+    }
+    fn remove(queue: &str, key: u64) -> Op {
+        Op::Remove {
+            vhost: "/".into(),
+            queue: queue.into(),
+            keys: vec![key],
+            sizes: vec![],
+        }
+    }
+    fn purge(queue: &str) -> Op {
+        Op::Purge {
+            vhost: "/".into(),
+            queue: queue.into(),
+        }
+    }
+
+    /// A store in a fresh folder, logged or not.
+    fn open_fresh(unlogged: bool) -> (tempfile::TempDir, RocksStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = OpenOptions {
+            unlogged,
+            ..Default::default()
+        };
+        let s = RocksStore::open_with(dir.path(), &opts).unwrap();
+        (dir, s)
+    }
+
     /// A range removal among entries of shared bodies is part of its write's one batch (in an
     /// unlogged store, a write split in two could lose its applied position to a crash between
     /// the parts: a cluster node then applied the entry again), and drops each reference once:
@@ -1626,30 +1664,15 @@ mod tests {
     #[test]
     fn a_range_removal_among_shared_bodies_is_one_batch_and_drops_each_reference_once() {
         for unlogged in [true, false] {
-            let dir = tempfile::tempdir().unwrap();
-            let opts = OpenOptions {
-                unlogged,
-                ..Default::default()
-            };
-            let s = RocksStore::open_with(dir.path(), &opts).unwrap();
+            let (_dir, s) = open_fresh(unlogged);
             s.write_applied(
                 &[declare("a"), declare("b"), fanned(1), fanned(2)],
                 b"1",
                 true,
             )
             .unwrap();
-            let remove_a1 = Op::Remove {
-                vhost: "/".into(),
-                queue: "a".into(),
-                keys: vec![1],
-                sizes: vec![6],
-            };
-            let purge_a = Op::Purge {
-                vhost: "/".into(),
-                queue: "a".into(),
-            };
             let before = s.inner.batches.load(Ordering::Relaxed);
-            s.write_applied(&[fanned(3), remove_a1, purge_a], b"2", false)
+            s.write_applied(&[fanned(3), remove("a", 1), purge("a")], b"2", false)
                 .unwrap();
             assert_eq!(
                 s.inner.batches.load(Ordering::Relaxed) - before,
@@ -1679,15 +1702,7 @@ mod tests {
                 .unwrap()
                 .is_empty());
             // A second purge, of b, in one write with a new fan-out: every body goes.
-            let purge_b = Op::Purge {
-                vhost: "/".into(),
-                queue: "b".into(),
-            };
-            let purge_a = Op::Purge {
-                vhost: "/".into(),
-                queue: "a".into(),
-            };
-            s.write_applied(&[fanned(4), purge_b, purge_a], b"3", false)
+            s.write_applied(&[fanned(4), purge("b"), purge("a")], b"3", false)
                 .unwrap();
             assert_eq!(s.shared_bodies(), 0, "unlogged {unlogged}");
             assert!(s.inner.with_view(|v| Ok(v.refs().is_empty())).unwrap());
@@ -1701,39 +1716,8 @@ mod tests {
     /// and its removal, and a spill of a shared body removed before a purge's range.
     #[test]
     fn an_entry_put_and_removed_in_one_write_is_unreferenced_once_whatever_was_committed() {
-        fn spill(queue: &str, key: u64) -> Op {
-            Op::Spill {
-                vhost: "/".into(),
-                queue: queue.into(),
-                key,
-                timestamp_ms: 0,
-                exchange: "".into(),
-                routing_key: "".into(),
-                properties: Bytes::from_static(&[0, 0]),
-                body: Bytes::from_static(b"spilled").into(),
-            }
-        }
-        fn remove(queue: &str, key: u64) -> Op {
-            Op::Remove {
-                vhost: "/".into(),
-                queue: queue.into(),
-                keys: vec![key],
-                sizes: vec![],
-            }
-        }
-        fn purge(queue: &str) -> Op {
-            Op::Purge {
-                vhost: "/".into(),
-                queue: queue.into(),
-            }
-        }
         for unlogged in [false, true] {
-            let dir = tempfile::tempdir().unwrap();
-            let opts = OpenOptions {
-                unlogged,
-                ..Default::default()
-            };
-            let s = RocksStore::open_with(dir.path(), &opts).unwrap();
+            let (_dir, s) = open_fresh(unlogged);
             s.write_applied(&[declare("a"), declare("b"), declare("c")], b"1", true)
                 .unwrap();
             // A fan-out to a and b, a spill elsewhere, then a's entry removed and a purged.
