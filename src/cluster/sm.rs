@@ -8,8 +8,10 @@
 //! decoded and applied op by op. Either way the store write carries the applied position in
 //! the same atomic write (`Store::write_applied`): the store never holds a change without the
 //! position that covers it, nor a position ahead of what it holds (after a crash the node
-//! applies again from the position its store has). `apply` waits for the previous apply's
-//! write, so two are in flight and the committer can merge them.
+//! applies again from the position its store has). Confirms and replies go at apply time
+//! (committed is what they promise); the store writes trail behind, many in flight, lingering
+//! in the committer so that consecutive applies merge (`commit::LINGER`), and a snapshot waits
+//! for all of them.
 //!
 //! Snapshots are files (`snapshot`): built by streaming the store (`Store::snapshot_to`) from
 //! one moment between two applies while applies go on, sent and received as files, installed
@@ -26,7 +28,7 @@ use super::snapshot;
 use super::types::{Entry, LogId, Snapshot, SnapshotData, SnapshotMeta, StorageError};
 use super::types::{StoredMembership, TypeConfig};
 use super::Replication;
-use crate::commit::Part;
+use crate::commit::{Done, Part};
 use crate::node::Shared;
 use openraft::storage::RaftStateMachine;
 use openraft::{AnyError, EntryPayload, RaftSnapshotBuilder, StorageIOError};
@@ -49,11 +51,15 @@ pub struct StateMachine {
     snapshots: std::path::PathBuf,
     /// Snapshots built by this process (their ids stay unique).
     built: u64,
-    /// The last apply's store write, not yet known done.
-    writing: Option<tokio::sync::oneshot::Receiver<bool>>,
+    /// Applies' store writes not yet known done, oldest first. Many may be in flight: the
+    /// committer lets a cluster node's writes linger to merge them (`commit::LINGER`).
+    writing: std::collections::VecDeque<tokio::sync::oneshot::Receiver<bool>>,
     /// Held while `current` is replaced (a build finishing and an install must not cross).
     files: Arc<parking_lot::Mutex<()>>,
 }
+
+/// Applies whose store writes may be in flight at once.
+const WRITES_IN_FLIGHT: usize = 1024;
 
 /// The snapshot this node keeps (and sends), in `<data-dir>/raft-snapshot`.
 const CURRENT: &str = "current";
@@ -104,7 +110,7 @@ impl StateMachine {
             applied,
             snapshots,
             built: 0,
-            writing: None,
+            writing: Default::default(),
             files: Default::default(),
         };
         let incoming = sm.snapshots.join(INCOMING);
@@ -314,28 +320,49 @@ fn open_current(dir: &Path) -> Result<Option<Snapshot>, StorageError> {
 
 impl StateMachine {
     /// Wait for an apply's store write.
-    async fn written(
-        &mut self,
-        write: Option<tokio::sync::oneshot::Receiver<bool>>,
-    ) -> Result<(), StorageError> {
-        match write {
-            None => Ok(()),
-            Some(rx) => {
-                match rx.await {
-                    Ok(true) => Ok(()),
-                    _ => {
-                        error!("the store failed to write applied entries; this node stops replicating");
-                        Err(io_err("the store failed to write applied entries"))
+    async fn written(rx: tokio::sync::oneshot::Receiver<bool>) -> Result<(), StorageError> {
+        match rx.await {
+            Ok(true) => Ok(()),
+            _ => Err(Self::write_failed()),
+        }
+    }
+
+    fn write_failed() -> StorageError {
+        error!("the store failed to write applied entries; this node stops replicating");
+        io_err("the store failed to write applied entries")
+    }
+
+    /// Forget the writes known done (an error if one failed), and wait for the oldest while
+    /// more than `keep` are in flight.
+    async fn reap(&mut self, keep: usize) -> Result<(), StorageError> {
+        while let Some(front) = self.writing.front_mut() {
+            match front.try_recv() {
+                Ok(true) => {
+                    self.writing.pop_front();
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+                    if self.writing.len() <= keep =>
+                {
+                    break;
+                }
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                    if let Some(rx) = self.writing.pop_front() {
+                        Self::written(rx).await?;
                     }
                 }
+                _ => return Err(Self::write_failed()),
             }
         }
+        Ok(())
     }
 
     /// Wait until every applied entry is in the store.
     async fn settle(&mut self) -> Result<(), StorageError> {
-        let w = self.writing.take();
-        self.written(w).await
+        if let Some(committer) = self.shared.committer.as_ref() {
+            // Lingering writes go now rather than at their deadline.
+            committer.hurry();
+        }
+        self.reap(0).await
     }
 }
 
@@ -429,17 +456,29 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                 }
             }
             let applied = postcard::to_stdvec(&self.applied).map_err(io_err)?;
+            // Committed means confirmed: a majority has these entries in its fsynced Raft log,
+            // and this node's store catches up from it after a crash. Each requester hears now,
+            // not after the store write (which may linger: `commit::LINGER`).
+            for part in parts.iter_mut() {
+                if let Some(n) = part.notify.take() {
+                    let _ = n.send(Done {
+                        ticket: part.ticket,
+                        ok: true,
+                        deposed: false,
+                    });
+                }
+            }
             committer.submit_group(parts, applied, done_tx);
             drop(p);
             // Deliveries of the messages these entries enqueued may go now (a majority has
             // them; the local write above need not be done first).
             self.rep.committed_upto(committed, &self.shared.outboxes);
         }
-        // The previous apply's write, not this one's: two writes in flight let the committer
-        // merge consecutive entries into one store write (a message stored by one entry and
-        // acknowledged by the next is then never written, as on the leader).
-        let previous = self.writing.replace(done_rx);
-        self.written(previous).await?;
+        // Writes in flight let the committer merge consecutive applies into one store write (a
+        // message stored by one entry and acknowledged by a later one is then never written).
+        // Bounded, so that a store slower than the log holds back applying.
+        self.writing.push_back(done_rx);
+        self.reap(WRITES_IN_FLIGHT).await?;
         Ok(vec![(); n])
     }
 
