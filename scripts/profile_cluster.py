@@ -35,7 +35,16 @@ def proc_counters(pid):
     with open("/proc/%d/stat" % pid) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     r["cpu_ticks"] = int(fields[11]) + int(fields[12])
+    r["minflt"] = int(fields[7])
     return r
+
+
+def machine_ticks():
+    """(busy, all) CPU ticks of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
 
 
 def main():
@@ -56,15 +65,25 @@ def main():
         before = {c.pid: proc_counters(c.pid) for c in children}
         uri = "amqp://guest:guest@127.0.0.1:%d/%%2f" % port
         load = subprocess.Popen(
-            [binary, "perf", "--uri", uri, "--duration", str(a.seconds), "--json"] + cb.S2,
+            [binary, "perf", "--uri", uri, "--duration", str(a.seconds), "--json"] + cb.S2 + os.environ.get("PERF_EXTRA", "").split(),
             stdout=subprocess.PIPE, text=True)
+        machine_before = machine_ticks()
         if a.perf:
             time.sleep(min(2, a.seconds / 3))
             target = leader if a.perf == "leader" else next(
                 c.pid for c in children if c.pid != leader)
-            subprocess.run(["perf", "record", "-F", "199", "--call-graph", "dwarf,16384",
+            subprocess.run(["perf", "record"] + os.environ.get("PERF_EVENT", "-F 199").split() + ["--call-graph", "dwarf,16384",
                             "-p", str(target), "-o", DATA, "--", "sleep", str(a.perf_seconds)],
                            capture_output=True)
+        # The load generator's own counters, read just before it exits.
+        load_cpu = 0
+        while load.poll() is None:
+            try:
+                load_cpu = proc_counters(load.pid)["cpu_ticks"]
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        machine_after = machine_ticks()
         out, _ = load.communicate(timeout=a.seconds + 120)
         after = {c.pid: proc_counters(c.pid) for c in children}
         lines = [l for l in out.splitlines() if l.startswith("{")]
@@ -79,10 +98,16 @@ def main():
         tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
         for c in children:
             b, e = before[c.pid], after[c.pid]
-            print("%-8s pid %d: CPU %.1f us/msg, write(2) %.0f B/msg, to disk %.0f B/msg" % (
-                "leader" if c.pid == leader else "follower", c.pid,
-                (e["cpu_ticks"] - b["cpu_ticks"]) * tick_us / n,
-                (e["wchar"] - b["wchar"]) / n, (e["write_bytes"] - b["write_bytes"]) / n))
+            print("%-8s pid %d: CPU %.1f us/msg, write(2) %.0f B/msg, to disk %.0f B/msg, "
+                  "%.2f page faults/msg" % (
+                      "leader" if c.pid == leader else "follower", c.pid,
+                      (e["cpu_ticks"] - b["cpu_ticks"]) * tick_us / n,
+                      (e["wchar"] - b["wchar"]) / n, (e["write_bytes"] - b["write_bytes"]) / n,
+                      (e["minflt"] - b["minflt"]) / n))
+        busy = machine_after[0] - machine_before[0]
+        total = max(machine_after[1] - machine_before[1], 1)
+        print("load generator: CPU %.1f us/msg; machine busy %.0f%% (iowait counts as idle)" % (
+            load_cpu * tick_us / n, 100.0 * busy / total))
     finally:
         cb.kill_all()
         shutil.rmtree(d, ignore_errors=True)

@@ -489,7 +489,10 @@ mod tests {
         // Long enough for the committer to take the first request and start its write, were
         // it not lingering.
         std::thread::sleep(std::time::Duration::from_millis(20));
-        assert!(first.try_recv().is_err(), "the first apply was written alone");
+        assert!(
+            first.try_recv().is_err(),
+            "the first apply was written alone"
+        );
         let (second_tx, mut second) = tokio::sync::oneshot::channel();
         committer.submit_group(vec![part(2, remove("a", &[7]))], vec![2], second_tx);
         assert!(committer.barrier());

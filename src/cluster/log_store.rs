@@ -313,7 +313,14 @@ fn sync_loop(db: &RaftLogDb, rx: &mpsc::Receiver<LogFlushed<TypeConfig>>) {
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
-    postcard::to_extend(value, vec![FORMAT])
+    encode_sized(value, 64)
+}
+
+/// `encode` into a buffer of `size` bytes (about the value's size: see `entry_size_hint`).
+fn encode_sized<T: Serialize>(value: &T, size: usize) -> Result<Vec<u8>, postcard::Error> {
+    let mut buf = Vec::with_capacity(size + 1);
+    buf.push(FORMAT);
+    postcard::to_extend(value, buf)
 }
 
 fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
@@ -481,7 +488,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         let encoded = entries
             .iter()
             .map(|e| {
-                encode(e)
+                encode_sized(e, super::types::entry_size_hint(e))
                     .map(|bytes| (e.log_id.index, bytes))
                     .map_err(|err| StorageIOError::write_log_entry(e.log_id, AnyError::new(&err)))
             })

@@ -681,8 +681,21 @@ fn io_error(context: impl std::fmt::Display, e: &io::Error) -> CallError {
 }
 
 fn encode_request(request: &Request) -> Result<Bytes, CallError> {
-    let frame =
-        encode(request).map_err(|e| CallError::Network(AnyError::error(format!("encode: {e}"))))?;
+    // Sized once (growing a large buffer step by step allocates it afresh at every step).
+    let size = match request {
+        Request::AppendEntries(r) => {
+            r.entries
+                .iter()
+                .map(super::types::entry_size_hint)
+                .sum::<usize>()
+                + 256
+        }
+        Request::SnapshotChunk(chunk) => chunk.len() + 16,
+        _ => 256,
+    };
+    let frame = postcard::to_extend(request, Vec::with_capacity(size))
+        .map(Bytes::from)
+        .map_err(|e| CallError::Network(AnyError::error(format!("encode: {e}"))))?;
     if frame.len() > MAX_FRAME {
         return Err(CallError::TooLarge(frame.len()));
     }

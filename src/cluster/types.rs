@@ -48,6 +48,15 @@ pub struct Batch {
     pub ops: Bytes,
 }
 
+/// About how many bytes `entry` takes serialized (a buffer sized once rather than grown
+/// step by step: each step of a large one is a fresh allocation, faulted in page by page).
+pub fn entry_size_hint(entry: &Entry) -> usize {
+    match &entry.payload {
+        openraft::EntryPayload::Normal(batch) => batch.ops.len() + 64,
+        _ => 256,
+    }
+}
+
 impl std::fmt::Display for Batch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "batch(ticket {}, {} bytes)", self.ticket, self.ops.len())

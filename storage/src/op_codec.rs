@@ -474,7 +474,21 @@ pub fn encode_ops_into(b: &mut BytesMut, ops: &[Op]) -> Result<(), EncodeError> 
 
 /// The entry of `ops`: format byte, count, ops.
 pub fn encode_ops(ops: &[Op]) -> Result<Bytes, EncodeError> {
-    let mut b = BytesMut::new();
+    // Sized once: a large buffer grown step by step is allocated afresh at every step.
+    let size = ops
+        .iter()
+        .map(|op| match op {
+            Op::Enqueue {
+                body,
+                properties,
+                routing_key,
+                ..
+            } => body.len() + properties.len() + routing_key.len() + 96,
+            _ => 64,
+        })
+        .sum::<usize>()
+        + 16;
+    let mut b = BytesMut::with_capacity(size);
     encode_ops_into(&mut b, ops)?;
     Ok(b.freeze())
 }
