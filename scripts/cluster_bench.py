@@ -6,12 +6,13 @@ queue and a quorum queue), and on a 3-node RabbitMQ cluster with a quorum queue,
 on this machine and loaded by the same `warren perf`.
 
     python3 scripts/cluster_bench.py [--binary PATH] [--seconds 10] [--rounds 2]
-        [--no-rabbitmq] [--install-rabbitmq]
+        [--no-rabbitmq] [--install-rabbitmq] [--random-body]
 
 Without --binary it builds the release binary. RabbitMQ runs three nodes of Debian's
 rabbitmq-server (node names warrenbench1..3@<host>, their own ports and folders, clustered with
 `rabbitmqctl join_cluster`); --install-rabbitmq installs the package if it is missing
-(apt-get). Prints one row per setup (best of the rounds).
+(apt-get). --random-body fills bodies with incompressible bytes (`warren perf --random-body`)
+instead of zeros. Prints one row per setup (best of the rounds).
 """
 
 import argparse
@@ -207,7 +208,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-rabbitmq", action="store_true")
     ap.add_argument("--install-rabbitmq", action="store_true")
+    ap.add_argument("--random-body", action="store_true")
     a = ap.parse_args()
+    body = ["--random-body"] if a.random_body else []
     rabbit = not a.no_rabbitmq
     if rabbit and shutil.which("rabbitmq-server") is None:
         if a.install_rabbitmq:
@@ -243,7 +246,7 @@ def main():
                         port = start(binary, d, nodes)
                     else:
                         port = start_rabbitmq(d)
-                    r = perf(binary, port, a.seconds, extra)
+                    r = perf(binary, port, a.seconds, extra + body)
                 finally:
                     stop_rabbitmq()
                     kill_all()

@@ -219,9 +219,12 @@ impl Response {
 
 type Conn = Framed<TcpStream, LengthDelimitedCodec>;
 
+/// The length prefix of a frame.
+const LENGTH_BYTES: usize = 4;
+
 fn codec(max_frame: usize) -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder()
-        .length_field_length(4)
+        .length_field_length(LENGTH_BYTES)
         .big_endian()
         .max_frame_length(max_frame)
         .new_codec()
@@ -680,8 +683,11 @@ fn io_error(context: impl std::fmt::Display, e: &io::Error) -> CallError {
     }
 }
 
+/// `request` as it goes on the wire: its length (4 bytes, big-endian, as `codec` frames) and
+/// its encoding, in one buffer sized once (growing a large buffer step by step allocates it
+/// afresh at every step). `send_frame` writes it to the socket as it is: through the codec's
+/// encoder it would be copied once more.
 fn encode_request(request: &Request) -> Result<Bytes, CallError> {
-    // Sized once (growing a large buffer step by step allocates it afresh at every step).
     let size = match request {
         Request::AppendEntries(r) => {
             r.entries
@@ -693,13 +699,26 @@ fn encode_request(request: &Request) -> Result<Bytes, CallError> {
         Request::SnapshotChunk(chunk) => chunk.len() + 16,
         _ => 256,
     };
-    let frame = postcard::to_extend(request, Vec::with_capacity(size))
-        .map(Bytes::from)
+    let mut buf = Vec::with_capacity(size + LENGTH_BYTES);
+    buf.extend_from_slice(&[0; LENGTH_BYTES]);
+    let mut buf = postcard::to_extend(request, buf)
         .map_err(|e| CallError::Network(AnyError::error(format!("encode: {e}"))))?;
-    if frame.len() > MAX_FRAME {
-        return Err(CallError::TooLarge(frame.len()));
+    let len = buf.len() - LENGTH_BYTES;
+    if len > MAX_FRAME {
+        return Err(CallError::TooLarge(len));
     }
-    Ok(frame)
+    let prefix = u32::try_from(len).map_err(|_| CallError::TooLarge(len))?;
+    buf[..LENGTH_BYTES].copy_from_slice(&prefix.to_be_bytes());
+    Ok(Bytes::from(buf))
+}
+
+/// Writes a frame of `encode_request` to `conn`'s socket (the client side writes only
+/// these, so the codec never holds unsent bytes that this would overtake).
+async fn send_frame(conn: &mut Conn, frame: &[u8]) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let stream = conn.get_mut();
+    stream.write_all(frame).await?;
+    stream.flush().await
 }
 
 /// Say hello to node `to` at `addr` as node `me` and hang up: what that node's membership
@@ -732,7 +751,7 @@ async fn connect(
     }
     let mut conn = Framed::new(stream, codec(MAX_FRAME));
     let frame = encode_request(&Request::Hello(hello.clone()))?;
-    conn.send(frame)
+    send_frame(&mut conn, &frame)
         .await
         .map_err(|e| unreachable(format!("handshake with node {target} at {addr}: {e}")))?;
     let reason = match conn.next().await {
@@ -761,7 +780,7 @@ async fn connect(
 
 /// Sends one request on `conn` and reads its response.
 async fn exchange(conn: &mut Conn, frame: Bytes, target: NodeId) -> Result<Response, CallError> {
-    conn.send(frame)
+    send_frame(conn, &frame)
         .await
         .map_err(|e| io_error(format_args!("sending to node {target}"), &e))?;
     match conn.next().await {
@@ -980,7 +999,7 @@ impl RaftNetwork<TypeConfig> for Network {
             let to =
                 |e: io::Error| io_error(format_args!("sending a snapshot to node {target}"), &e);
             timeout_at(deadline, async {
-                conn.send(begin).await.map_err(to)?;
+                send_frame(&mut conn, &begin).await.map_err(to)?;
                 let mut file = tokio::fs::File::from_std(file);
                 let mut sent = 0u64;
                 loop {
@@ -1002,9 +1021,8 @@ impl RaftNetwork<TypeConfig> for Network {
                     }
                     chunk.truncate(n);
                     sent += n as u64;
-                    conn.feed(encode_request(&Request::SnapshotChunk(Bytes::from(chunk)))?)
-                        .await
-                        .map_err(to)?;
+                    let frame = encode_request(&Request::SnapshotChunk(Bytes::from(chunk)))?;
+                    send_frame(&mut conn, &frame).await.map_err(to)?;
                 }
                 if sent != size {
                     return Err(CallError::Network(AnyError::error(format!(
