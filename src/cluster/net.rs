@@ -463,14 +463,17 @@ async fn serve_conn(
                 }
                 return;
             }
-            // The frame is freed once decoded, before the (possibly long) call into Raft.
-            Ok(Some(Ok(frame))) => match postcard::from_bytes::<Request>(&frame) {
-                Ok(request) => request,
-                Err(e) => {
-                    warn!(%peer, "raft: dropped the connection of node {from} at {peer}: undecodable request of {} bytes ({e})", frame.len());
-                    return;
+            // The entries' ops are slices of the frame (no copy): it lives as long as they do.
+            Ok(Some(Ok(frame))) => {
+                let len = frame.len();
+                match super::types::decode_sharing::<Request>(frame.freeze()) {
+                    Ok(request) => request,
+                    Err(e) => {
+                        warn!(%peer, "raft: dropped the connection of node {from} at {peer}: undecodable request of {len} bytes ({e})");
+                        return;
+                    }
                 }
-            },
+            }
         };
         let response = match request {
             Request::Hello(_) => {

@@ -44,8 +44,69 @@ pub struct Batch {
     /// The leader's broker clock when the ops were made: replicas apply with the same clock,
     /// so nothing clock-dependent in the apply diverges.
     pub clock_ms: u64,
-    /// `op_codec::encode_ops` of the ops.
+    /// `op_codec::encode_ops` of the ops. Decoded from a network frame (`decode_sharing`), a
+    /// slice of that frame rather than a copy.
+    #[serde(deserialize_with = "ops_sharing")]
     pub ops: Bytes,
+}
+
+thread_local! {
+    /// The frame `decode_sharing` decodes on this thread (None: not decoding one).
+    static FRAME: std::cell::RefCell<Option<Bytes>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Decodes `T` from `frame` (postcard); the ops of every batch in it are slices of `frame`, not
+/// copies (a follower receives every message body this way: one copy of each less).
+pub fn decode_sharing<T: serde::de::DeserializeOwned>(frame: Bytes) -> Result<T, postcard::Error> {
+    FRAME.with(|f| *f.borrow_mut() = Some(frame.clone()));
+    let decoded = postcard::from_bytes::<T>(&frame);
+    FRAME.with(|f| f.borrow_mut().take());
+    decoded
+}
+
+/// `bytes` as a slice of the frame being decoded when they lie within it, else a copy.
+fn shared(bytes: &[u8]) -> Bytes {
+    FRAME.with(|f| match &*f.borrow() {
+        Some(frame) => {
+            let start = frame.as_ptr() as usize;
+            let at = bytes.as_ptr() as usize;
+            // Checked first: `slice_ref` panics on bytes from elsewhere.
+            if at >= start && at + bytes.len() <= start + frame.len() {
+                frame.slice_ref(bytes)
+            } else {
+                Bytes::copy_from_slice(bytes)
+            }
+        }
+        None => Bytes::copy_from_slice(bytes),
+    })
+}
+
+/// Deserializes a batch's ops with `shared` (what `Bytes`'s own impl accepts, otherwise).
+fn ops_sharing<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+    struct Ops;
+    impl<'de> serde::de::Visitor<'de> for Ops {
+        type Value = Bytes;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("bytes")
+        }
+        fn visit_borrowed_bytes<E: serde::de::Error>(self, v: &'de [u8]) -> Result<Bytes, E> {
+            Ok(shared(v))
+        }
+        fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Bytes, E> {
+            Ok(Bytes::copy_from_slice(v))
+        }
+        fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Bytes, E> {
+            Ok(Bytes::from(v))
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Bytes, A::Error> {
+            let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
+            while let Some(b) = seq.next_element::<u8>()? {
+                v.push(b);
+            }
+            Ok(Bytes::from(v))
+        }
+    }
+    d.deserialize_bytes(Ops)
 }
 
 /// About how many bytes `entry` takes serialized (a buffer sized once rather than grown
@@ -146,4 +207,46 @@ pub fn bytes_of(mut data: SnapshotData) -> Vec<u8> {
     data.file.rewind().unwrap();
     data.file.read_to_end(&mut out).unwrap();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{decode_sharing, Batch};
+    use bytes::Bytes;
+
+    fn within(frame: &Bytes, part: &Bytes) -> bool {
+        let start = frame.as_ptr() as usize;
+        let at = part.as_ptr() as usize;
+        at >= start && at + part.len() <= start + frame.len()
+    }
+
+    #[test]
+    fn a_batch_decoded_from_a_frame_shares_its_memory_and_one_decoded_elsewhere_is_copied() {
+        let batches = vec![
+            Batch {
+                proposer: 1,
+                ticket: 2,
+                clock_ms: 3,
+                ops: Bytes::from(vec![7u8; 4096]),
+            },
+            Batch {
+                proposer: 1,
+                ticket: 3,
+                clock_ms: 4,
+                ops: Bytes::from(vec![9u8; 100]),
+            },
+        ];
+        let frame = Bytes::from(postcard::to_stdvec(&batches).unwrap());
+        let shared: Vec<Batch> = decode_sharing(frame.clone()).unwrap();
+        assert_eq!(shared, batches);
+        assert!(shared.iter().all(|b| within(&frame, &b.ops)));
+        // Outside `decode_sharing` (the log store's reads), and after it: copies.
+        let copied: Vec<Batch> = postcard::from_bytes(&frame).unwrap();
+        assert_eq!(copied, batches);
+        assert!(copied.iter().all(|b| !within(&frame, &b.ops)));
+        // A frame that does not decode leaves nothing behind for the next decode.
+        assert!(decode_sharing::<Vec<Batch>>(frame.slice(..10)).is_err());
+        let again: Vec<Batch> = postcard::from_bytes(&frame).unwrap();
+        assert!(again.iter().all(|b| !within(&frame, &b.ops)));
+    }
 }
