@@ -35,8 +35,9 @@ struct Request {
     /// The replicated log position these ops bring the store to, written in the same atomic
     /// write (`Store::write_applied`).
     applied: Option<Vec<u8>>,
-    /// Told whether the write succeeded, once it is done (the cluster's state machine waits
-    /// on it before a snapshot, so that the snapshot never runs ahead of the store).
+    /// Told whether the write succeeded, once it is done (the cluster's state machine stops
+    /// on a failed one, holds applies back while too many are in flight, and waits for all of
+    /// them before a snapshot, so that the snapshot never runs ahead of the store).
     done: Option<Box<dyn FnOnce(bool) + Send>>,
 }
 
