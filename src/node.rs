@@ -287,6 +287,10 @@ impl Drop for BrokerGuard<'_> {
     }
 }
 
+/// How long a read of a queue's backlog waits for the store to write the removals it must
+/// see (`Shared::read_plan`).
+const STORE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `Shared::alarms`' bits.
 pub const DISK_ALARM: u8 = 1;
 pub const MEMORY_ALARM: u8 = 2;
@@ -612,7 +616,7 @@ impl Shared {
                 reads
                     .drain(..)
                     .map(|r| {
-                        let data = r.plan.read(&*store, &r.vhost, &r.name);
+                        let data = self.read_plan(&*store, &r);
                         (r, data)
                     })
                     .collect::<Vec<_>>()
@@ -635,6 +639,40 @@ impl Shared {
         }
     }
 
+    /// Carry out a queue's read (blocking): once the store has every removal the queue's
+    /// counts reflect (`ReadPlan::after`; a replica's store writes trail its applies). A store
+    /// that has not caught up within `STORE_WAIT` fails the read (the queue tries again).
+    fn read_plan(
+        &self,
+        store: &dyn warren_storage::Store,
+        r: &crate::broker::ReadRequest,
+    ) -> Result<crate::broker::queue::ReadData, warren_storage::StoreError> {
+        if !self.wait_written(r.plan.after) {
+            return Err(warren_storage::StoreError::Io(format!(
+                "the store has not written journal batch {} (removals from the queue's \
+                 backlog) within {STORE_WAIT:?}",
+                r.plan.after
+            )));
+        }
+        r.plan.read(store, &r.vhost, &r.name)
+    }
+
+    /// Wait (blocking this thread) until the committer has written journal batch `batch`, at
+    /// most `STORE_WAIT`; whether it has.
+    fn wait_written(&self, batch: u64) -> bool {
+        let Some(c) = &self.committer else {
+            return true;
+        };
+        let deadline = std::time::Instant::now() + STORE_WAIT;
+        while c.written.load(Ordering::Acquire) < batch {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        true
+    }
+
     /// Read what a get asked for (`Outcome::Read`) with the broker lock released; the get
     /// hands it back (`Cmd::Get`'s `read`).
     pub(crate) fn read_for(
@@ -642,7 +680,7 @@ impl Shared {
         request: crate::broker::ReadRequest,
     ) -> crate::broker::cmd::ReadDone {
         let data = match &self.store {
-            Some(store) => blocking(|| request.plan.read(&**store, &request.vhost, &request.name)),
+            Some(store) => blocking(|| self.read_plan(&**store, &request)),
             None => Err(warren_storage::StoreError::Io(
                 "no store to read a queue back from".into(),
             )),

@@ -137,10 +137,12 @@ impl Broker {
         sizes: &[u64],
         root: bool,
     ) {
+        // The journal batch this removal's store write goes in (the one being built).
+        let batch = self.log.seq() + 1;
         if let Some(q) = qid.and_then(|id| self.replicated.queues.get_mut(&id)) {
             // On the broker that decided it the messages had left the ready list already
             // (delivered, dropped); elsewhere they leave it here.
-            q.remove_keys(keys, sizes);
+            q.remove_keys(keys, sizes, batch);
         }
         self.log.removal(vhost, name, keys, sizes, root);
     }
@@ -341,8 +343,9 @@ impl Broker {
                 counted,
             } => {
                 if let Some(qid) = self.vhost(vhost)?.queues.get(&**queue).copied() {
+                    let batch = self.log.seq() + 1;
                     if let Some(q) = self.replicated.queues.get_mut(&qid) {
-                        q.remove_key_range(*from, *to, *counted);
+                        q.remove_key_range(*from, *to, *counted, batch);
                     }
                 }
                 self.log.write(op.clone());

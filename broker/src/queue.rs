@@ -85,6 +85,13 @@ struct Level {
     disk_last: u64,
     /// (journal batch, message).
     staged: VecDeque<(u64, QueuedMessage)>,
+    /// The journal batch that records the latest removal of messages from the disk part
+    /// (`remove_keys`, `remove_key_range`: a replica applying acks, purges, drops decided on
+    /// another broker). Until the committer has written it, the store still holds the removed
+    /// records: a range read of `disk_count` records would return them in place of live ones,
+    /// which would then stay on disk, uncounted (a message never delivered again). Reads of
+    /// the disk part wait for it (`ReadPlan::after`).
+    settle: u64,
 }
 
 impl Level {
@@ -151,6 +158,10 @@ pub struct ReadPlan {
     pub level: usize,
     pub epoch: u64,
     pub what: ReadWhat,
+    /// The journal batch the committer must have written before the store is read
+    /// (`Pager::written`): the store must hold every removal the queue's counts reflect
+    /// (`Level::settle`). 0: nothing to wait for.
+    pub after: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -680,6 +691,7 @@ impl Queue {
                 level,
                 epoch: self.read_epoch,
                 what: ReadWhat::Keys { keys, take },
+                after: 0,
             });
         }
         if !self.levels[level].mem.is_empty() {
@@ -703,6 +715,7 @@ impl Queue {
             level,
             epoch: self.read_epoch,
             what: ReadWhat::Range { from, to, want },
+            after: l.settle,
         })
     }
 
@@ -1181,6 +1194,7 @@ impl Queue {
                 to: message_key(level as u8, l.disk_last),
                 want: (l.disk_count as usize).min(READ_MESSAGES),
             },
+            after: l.settle,
         })
     }
 
@@ -1315,8 +1329,9 @@ impl Queue {
     /// list already and nothing is found: each key costs a binary search of the level's parts
     /// (each is in id order), not a scan, so the leader's acks stay cheap. `sizes` are their
     /// body sizes, one per key, or empty if the remover did not know them: those on disk are
-    /// then read by key to learn them.
-    pub fn remove_keys(&mut self, keys: &[u64], sizes: &[u64]) {
+    /// then read by key to learn them. `batch`: the journal batch that records the removal in
+    /// this broker's store (reads of the disk part wait for it: `Level::settle`).
+    pub fn remove_keys(&mut self, keys: &[u64], sizes: &[u64], batch: u64) {
         let with_sizes = sizes.len() == keys.len();
         // Per level touched on disk: the sizes known, and the keys whose size must be read.
         let mut on_disk: Vec<(usize, Vec<u64>, Vec<u64>)> = Vec::new();
@@ -1349,7 +1364,7 @@ impl Queue {
         for (level, known, unknown) in on_disk {
             // Each id of the disk range not found in memory is on disk: a message is removed
             // once, so nothing is counted twice.
-            self.forget_on_disk(level, |pager, q| {
+            self.forget_on_disk(level, batch, |pager, q| {
                 let mut all = known;
                 if !unknown.is_empty() {
                     let read = pager.store.read_keys(&q.vhost, &q.name, &unknown)?;
@@ -1400,8 +1415,14 @@ impl Queue {
     /// Take out the ready messages with store keys from `from` to `to` (inclusive:
     /// `Op::RemoveRange`), wherever they are (see `remove_keys`). `counted`: how many that is
     /// and their bytes, if the remover knew (a range within one level): what leaves the disk
-    /// part is then known without reading it.
-    pub fn remove_key_range(&mut self, from: u64, to: u64, counted: Option<(u64, u64)>) {
+    /// part is then known without reading it. `batch` as for `remove_keys`.
+    pub fn remove_key_range(
+        &mut self,
+        from: u64,
+        to: u64,
+        counted: Option<(u64, u64)>,
+        batch: u64,
+    ) {
         if from > to {
             return;
         }
@@ -1422,10 +1443,12 @@ impl Queue {
             };
             let (besides, besides_bytes) =
                 self.remove_in_level(level, |id| (lo..=hi).contains(&id));
-            let l = &self.levels[level];
+            let l = &mut self.levels[level];
             if l.disk_count == 0 || hi < l.disk_first || lo > l.disk_last {
                 continue;
             }
+            l.settle = batch;
+            let l = &self.levels[level];
             if lo <= l.disk_first && hi >= l.disk_last {
                 // The whole part on disk.
                 let (n, bytes) = (l.disk_count, l.disk_bytes);
@@ -1449,7 +1472,7 @@ impl Queue {
                     self.count -= n as usize;
                     self.ready_bytes = self.ready_bytes.saturating_sub(bytes);
                 }
-                None => self.forget_on_disk(level, |pager, q| {
+                None => self.forget_on_disk(level, batch, |pager, q| {
                     pager
                         .store
                         .read(
@@ -1526,9 +1549,11 @@ impl Queue {
     fn forget_on_disk(
         &mut self,
         level: usize,
+        batch: u64,
         sizes: impl FnOnce(&Pager, &Queue) -> Result<Vec<u64>, warren_storage::StoreError>,
     ) {
         self.read_epoch += 1;
+        self.levels[level].settle = batch;
         let Some(pager) = self.pager.clone() else {
             return;
         };

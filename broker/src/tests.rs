@@ -725,6 +725,113 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
     }
 }
 
+/// A replica applies the removal of messages from its queue's disk part (the leader's acks)
+/// and its store write trails (a cluster node's applies do not wait for their writes); then it
+/// serves (a failover). The read of the disk part must wait for that write
+/// (`ReadPlan::after`): read before it, the store still holds the removed records, a read of
+/// the `disk_count` records left returned them in place of the newest, and those stayed on
+/// disk uncounted, never delivered (chaos seed 1 with lingering writes).
+#[test]
+fn a_read_of_the_disk_part_waits_for_the_removals_the_queue_applied() {
+    let (mut b, c, store, written) = async_pager();
+    let mut fx = Vec::new();
+    b.apply(
+        &Op::DeclareQueue {
+            vhost: "/".into(),
+            name: "deep".into(),
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: Bytes::from_static(&[0, 0, 0, 0]),
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let n = queue::WINDOW_MESSAGES as u64 + 40;
+    for id in 1..=n {
+        b.apply(
+            &Op::Enqueue {
+                vhost: "/".into(),
+                queues: vec![("deep".into(), 0)].into(),
+                id,
+                timestamp_ms: 1,
+                exchange: "".into(),
+                routing_key: "deep".into(),
+                properties: Bytes::from_static(&[0, 0]),
+                body: Bytes::from(id.to_string()).into(),
+            },
+            &mut fx,
+        )
+        .unwrap();
+    }
+    commit_to(&mut b, &store, &written);
+    // The first WINDOW_MESSAGES in memory, the rest on disk. The leader's acks of all those
+    // in memory and of 5 of the disk part: applied, not yet written.
+    let gone: Vec<u64> = (1..=queue::WINDOW_MESSAGES as u64)
+        .chain([1030, 1031, 1040, 1050, 1060])
+        .collect();
+    b.apply(
+        &Op::Remove {
+            vhost: "/".into(),
+            queue: "deep".into(),
+            keys: gone
+                .iter()
+                .map(|id| warren_storage::message_key(0, *id))
+                .collect(),
+            sizes: gone.iter().map(|id| id.to_string().len() as u64).collect(),
+        },
+        &mut fx,
+    )
+    .unwrap();
+    let pending = b.take_journal();
+    let pending_batch = b.journal_seq();
+    assert!(written.load(Ordering::Acquire) < pending_batch);
+    // Serving now: a consumer takes everything; the node reads what the queue asks for,
+    // after the batch each read names has been written (as `Shared::read_plan` waits).
+    fx.clear();
+    b.qos(c, 1, 0, false, &mut fx);
+    b.consume(
+        c,
+        1,
+        "/",
+        "deep",
+        "t",
+        true,
+        false,
+        &FieldTable::default(),
+        &mut fx,
+    )
+    .unwrap();
+    let mut waited = false;
+    let mut pending = Some(pending);
+    for _ in 0..100 {
+        let reads = take_reads(&mut fx);
+        if reads.is_empty() {
+            break;
+        }
+        for r in reads {
+            if r.plan.after > written.load(Ordering::Acquire) {
+                // The committer catches up.
+                waited = true;
+                if let Some(ops) = pending.take() {
+                    warren_storage::Store::write(&*store, &ops, false).unwrap();
+                    written.store(pending_batch, Ordering::Release);
+                }
+            }
+            let data = r.plan.read(&*store, &r.vhost, &r.name);
+            b.read_done(&r, data, &mut fx);
+        }
+    }
+    let got: Vec<u64> = delivered(&fx)
+        .into_iter()
+        .map(|d| d.3.parse().unwrap())
+        .collect();
+    let want: Vec<u64> = (1..=n).filter(|id| !gone.contains(id)).collect();
+    assert_eq!(got, want);
+    assert!(waited, "no read waited for the removals' write");
+    assert_eq!(b.queue_info("/", "deep").unwrap().message_count, 0);
+}
+
 /// A leader's durable queue past its window holds persistent messages and transient ones it
 /// spilled to its own store; a replica, past its window too, holds the persistent ones alone.
 /// Every message got (no ack) on the leader: the replica ends empty, its counts right. (The
