@@ -39,6 +39,20 @@ def proc_counters(pid):
     return r
 
 
+def thread_ticks(pid):
+    """{(tid, name): CPU ticks} of each thread of `pid`."""
+    r = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                head, tail = f.read().rsplit(")", 1)
+            fields = tail.split()
+            r[(tid, head.split("(", 1)[1])] = int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            pass
+    return r
+
+
 def machine_ticks():
     """(busy, all) CPU ticks of the whole machine, from /proc/stat."""
     with open("/proc/stat") as f:
@@ -63,6 +77,8 @@ def main():
         children = list(cb.CHILDREN)
         leader = next(c.pid for c in children if "127.0.0.1:%d" % port in " ".join(c.args))
         before = {c.pid: proc_counters(c.pid) for c in children}
+        threads_before = {c.pid: thread_ticks(c.pid) for c in children}
+        started = time.time()
         uri = "amqp://guest:guest@127.0.0.1:%d/%%2f" % port
         load = subprocess.Popen(
             [binary, "perf", "--uri", uri, "--duration", str(a.seconds), "--json"] + cb.S2 + os.environ.get("PERF_EXTRA", "").split(),
@@ -84,6 +100,8 @@ def main():
                 pass
             time.sleep(0.2)
         machine_after = machine_ticks()
+        wall = time.time() - started
+        threads_after = {c.pid: thread_ticks(c.pid) for c in children}
         out, _ = load.communicate(timeout=a.seconds + 120)
         after = {c.pid: proc_counters(c.pid) for c in children}
         lines = [l for l in out.splitlines() if l.startswith("{")]
@@ -104,6 +122,12 @@ def main():
                       (e["cpu_ticks"] - b["cpu_ticks"]) * tick_us / n,
                       (e["wchar"] - b["wchar"]) / n, (e["write_bytes"] - b["write_bytes"]) / n,
                       (e["minflt"] - b["minflt"]) / n))
+            # The busiest threads, as a share of one core over the run (a thread near 100%
+            # is a serial bottleneck whatever the machine's idle time).
+            tb, ta = threads_before[c.pid], threads_after[c.pid]
+            hot = sorted(((ta[k] - tb.get(k, 0), k[1]) for k in ta), reverse=True)[:6]
+            print("    threads: " + ", ".join(
+                "%s %.0f%%" % (name, 100.0 * t * tick_us / 1e6 / wall) for t, name in hot))
         busy = machine_after[0] - machine_before[0]
         total = max(machine_after[1] - machine_before[1], 1)
         print("load generator: CPU %.1f us/msg; machine busy %.0f%% (iowait counts as idle)" % (

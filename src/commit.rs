@@ -39,7 +39,22 @@ struct Request {
     /// on a failed one, holds applies back while too many are in flight, and waits for all of
     /// them before a snapshot, so that the snapshot never runs ahead of the store).
     done: Option<Box<dyn FnOnce(bool) + Send>>,
+    /// May wait up to `LINGER` for more requests to share its write (see `LINGER`).
+    linger: bool,
 }
+
+/// How long a cluster node's apply may wait in the committer for the applies after it. On a
+/// cluster node the store write is no promise to anyone: the entry is durable in the Raft log
+/// of a majority, and after a crash the node applies again from the position its store holds.
+/// A message is stored by the entry that enqueues it and removed by the one with its ack, some
+/// milliseconds later (the consumer hears of it only once it is committed): written in one
+/// store write, the two cancel (`cancel_acked`) and the message never reaches the store.
+/// Anything that needs the store now (a barrier, a local write, a throttled publisher's
+/// `hurry`) ends the wait at once.
+pub const LINGER: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Ops that end a linger early (a write stays a reasonable size; about this many messages).
+const LINGER_OPS: usize = 50_000;
 
 /// One journal batch of a group written with [`Committer::submit_group`].
 pub struct Part {
@@ -227,12 +242,15 @@ impl Committer {
             more: Vec::new(),
             applied: None,
             done: None,
+            linger: false,
         });
         ticket
     }
 
     /// Write `parts` in one store write with the replicated position `applied`, and tell
     /// `done` when it is done (true: written). Each part's requester hears under its ticket.
+    /// The write may wait up to [`LINGER`] to be merged with later ones (a cluster node's
+    /// applies: see there).
     pub fn submit_group(
         &self,
         parts: Vec<Part>,
@@ -245,6 +263,7 @@ impl Committer {
             Box::new(move |ok| {
                 let _ = done.send(ok);
             }),
+            true,
         )
     }
 
@@ -257,6 +276,7 @@ impl Committer {
             Box::new(move |ok| {
                 let _ = tx.send(ok);
             }),
+            false,
         );
         rx.recv().unwrap_or(false)
     }
@@ -266,6 +286,7 @@ impl Committer {
         parts: Vec<Part>,
         applied: Vec<u8>,
         done: Box<dyn FnOnce(bool) + Send>,
+        linger: bool,
     ) {
         let mut parts = parts.into_iter();
         let (ticket, mut ops, notify) = match parts.next() {
@@ -286,6 +307,22 @@ impl Committer {
             more,
             applied: Some(applied),
             done: Some(done),
+            linger,
+        });
+    }
+
+    /// Write what lingers (see [`LINGER`]) now: for a waiter that needs the store to catch
+    /// up (a publisher throttled until its message is written).
+    pub fn hurry(&self) {
+        self.send(Request {
+            ops: Default::default(),
+            sync: false,
+            ticket: 0,
+            notify: None,
+            more: Vec::new(),
+            applied: None,
+            done: None,
+            linger: false,
         });
     }
 
@@ -303,6 +340,7 @@ impl Committer {
             done: Some(Box::new(move |ok| {
                 let _ = tx.send(ok);
             })),
+            linger: false,
         });
         rx.recv().unwrap_or(false)
     }
@@ -328,14 +366,31 @@ fn run(
     let mut ops: Vec<Op> = Vec::new();
     let mut failing = crate::log_limit::Repeats::default();
     while let Ok(first) = rx.recv() {
+        // A first request that may linger waits for more until its deadline (see `LINGER`).
+        let deadline = first.linger.then(|| std::time::Instant::now() + LINGER);
+        let mut lingering = first.linger;
+        let mut queued = first.ops.len();
         batch.push(first);
         // Everything that arrived meanwhile shares this write (bounded, so one write stays
         // a reasonable size).
         while batch.len() < 4096 {
-            match rx.try_recv() {
-                Ok(r) => batch.push(r),
-                Err(_) => break,
-            }
+            let next = match rx.try_recv() {
+                Ok(r) => Ok(r),
+                Err(mpsc::TryRecvError::Disconnected) => break,
+                Err(mpsc::TryRecvError::Empty) => {
+                    let wait = deadline
+                        .filter(|_| lingering && queued < LINGER_OPS)
+                        .and_then(|d| d.checked_duration_since(std::time::Instant::now()));
+                    match wait {
+                        Some(wait) => rx.recv_timeout(wait).map_err(|_| ()),
+                        None => break,
+                    }
+                }
+            };
+            let Ok(r) = next else { break };
+            lingering &= r.linger;
+            queued += r.ops.len();
+            batch.push(r);
         }
         let sync = batch.iter().any(|r| r.sync);
         for r in batch.iter_mut() {
@@ -350,6 +405,8 @@ fn run(
         let applied = batch.iter_mut().rev().find_map(|r| r.applied.take());
         let result = match &applied {
             Some(a) => store.write_applied(&ops, a, sync),
+            // Nothing to write (a `hurry` alone, or ops that all cancelled).
+            None if ops.is_empty() && !sync => Ok(()),
             None => store.write(&ops, sync),
         };
         stats.writes.fetch_add(1, Ordering::Relaxed);
@@ -407,9 +464,57 @@ fn run(
 
 #[cfg(test)]
 mod tests {
-    use super::cancel_acked;
+    use super::{cancel_acked, Committer, Part};
     use bytes::Bytes;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
     use warren_storage::Op;
+
+    fn part(ticket: u64, op: Op) -> Part {
+        Part {
+            ticket,
+            ops: std::iter::once(op).collect(),
+            notify: None,
+        }
+    }
+
+    /// A cluster node's applies linger in the committer: a message enqueued by one apply and
+    /// acknowledged by the next never reaches the store, and a non-lingering request (here a
+    /// barrier) writes what lingers at once.
+    #[test]
+    fn applies_linger_so_that_an_enqueue_and_its_ack_cancel() {
+        let store = Arc::new(warren_storage::mem::MemStore::new());
+        let committer = Committer::start(store, false);
+        let (first_tx, mut first) = tokio::sync::oneshot::channel();
+        committer.submit_group(vec![part(1, enqueue(&["a"], 7))], vec![1], first_tx);
+        // Long enough for the committer to take the first request and start its write, were
+        // it not lingering.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(
+            first.try_recv().is_err(),
+            "the first apply was written alone"
+        );
+        let (second_tx, mut second) = tokio::sync::oneshot::channel();
+        committer.submit_group(vec![part(2, remove("a", &[7]))], vec![2], second_tx);
+        assert!(committer.barrier());
+        assert_eq!(first.try_recv(), Ok(true));
+        assert_eq!(second.try_recv(), Ok(true));
+        assert_eq!(committer.stats.cancelled.load(Ordering::Relaxed), 1);
+        assert_eq!(committer.stats.writes.load(Ordering::Relaxed), 1);
+        assert_eq!(committer.written.load(Ordering::Acquire), 2);
+    }
+
+    /// A lingering write alone is written by its deadline.
+    #[test]
+    fn a_lingering_apply_alone_is_written() {
+        let store = Arc::new(warren_storage::mem::MemStore::new());
+        let committer = Committer::start(store.clone(), false);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        committer.submit_group(vec![part(1, enqueue(&["a"], 7))], vec![9], tx);
+        assert_eq!(rx.blocking_recv(), Ok(true));
+        use warren_storage::Store;
+        assert_eq!(store.applied().ok().flatten(), Some(vec![9]));
+    }
 
     fn enqueue(queues: &[&str], id: u64) -> Op {
         Op::Enqueue {

@@ -668,6 +668,8 @@ impl Shared {
             if std::time::Instant::now() >= deadline {
                 return false;
             }
+            // A cluster node's writes may linger (`commit::LINGER`): not the ones waited for.
+            c.hurry();
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         true

@@ -9,9 +9,9 @@
 //! the same atomic write (`Store::write_applied`): the store never holds a change without the
 //! position that covers it, nor a position ahead of what it holds (after a crash the node
 //! applies again from the position its store has). Confirms and replies go at apply time
-//! (committed is what they promise); the store writes trail behind, many in flight (the
-//! committer merges those queued at once into one write), and a snapshot waits for all of
-//! them.
+//! (committed is what they promise); the store writes trail behind, many in flight, lingering
+//! in the committer so that consecutive applies merge (`commit::LINGER`), and a snapshot waits
+//! for all of them.
 //!
 //! Snapshots are files (`snapshot`): built by streaming the store (`Store::snapshot_to`) from
 //! one moment between two applies while applies go on, sent and received as files, installed
@@ -51,8 +51,8 @@ pub struct StateMachine {
     snapshots: std::path::PathBuf,
     /// Snapshots built by this process (their ids stay unique).
     built: u64,
-    /// Applies' store writes not yet known done, oldest first (many may be in flight: the
-    /// committer merges those queued at once).
+    /// Applies' store writes not yet known done, oldest first. Many may be in flight: the
+    /// committer lets a cluster node's writes linger to merge them (`commit::LINGER`).
     writing: std::collections::VecDeque<tokio::sync::oneshot::Receiver<bool>>,
     /// Held while `current` is replaced (a build finishing and an install must not cross).
     files: Arc<parking_lot::Mutex<()>>,
@@ -358,6 +358,10 @@ impl StateMachine {
 
     /// Wait until every applied entry is in the store.
     async fn settle(&mut self) -> Result<(), StorageError> {
+        if let Some(committer) = self.shared.committer.as_ref() {
+            // Lingering writes go now rather than at their deadline.
+            committer.hurry();
+        }
         self.reap(0).await
     }
 }
@@ -454,7 +458,7 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             let applied = postcard::to_stdvec(&self.applied).map_err(io_err)?;
             // Committed means confirmed: a majority has these entries in its fsynced Raft log,
             // and this node's store catches up from it after a crash. Each requester hears now,
-            // not after the store write.
+            // not after the store write (which may linger: `commit::LINGER`).
             for part in parts.iter_mut() {
                 if let Some(n) = part.notify.take() {
                     let _ = n.send(Done {

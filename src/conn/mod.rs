@@ -256,6 +256,8 @@ async fn read_loop(
                 if committer.written.load(Ordering::Acquire) >= ticket {
                     break;
                 }
+                // A cluster node's store writes may linger (`commit::LINGER`): not this one.
+                committer.hurry();
                 tokio::select! {
                     _ = progress => {}
                     _ = writer_done.cancelled() => break,
