@@ -81,7 +81,7 @@ def main():
         started = time.time()
         uri = "amqp://guest:guest@127.0.0.1:%d/%%2f" % port
         load = subprocess.Popen(
-            [binary, "perf", "--uri", uri, "--duration", str(a.seconds), "--json"] + cb.S2 + os.environ.get("PERF_EXTRA", "").split(),
+            [binary, "perf", "--uri", uri, "--duration", str(a.seconds), "--json"] + os.environ.get("PERF_SHAPE", " ".join(cb.S2)).split() + os.environ.get("PERF_EXTRA", "").split(),
             stdout=subprocess.PIPE, text=True)
         machine_before = machine_ticks()
         if a.perf:
