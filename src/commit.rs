@@ -85,11 +85,11 @@ pub struct Stats {
 /// for each took new pages from the allocator every time (the kernel zeroing them was a fifth
 /// of a follower's CPU).
 #[derive(Default)]
-struct CancelScratch {
+pub(crate) struct CancelScratch {
     /// Message key -> index of the single-queue `Enqueue` that stores it.
     stored: rustc_hash::FxHashMap<u64, usize>,
-    /// Per op: dropped.
-    cancel: Vec<bool>,
+    /// Per op of the last `mark_acked`: dropped.
+    pub(crate) cancel: Vec<bool>,
 }
 
 /// A message stored in one queue and removed from it within the same write never needs to
@@ -97,6 +97,23 @@ struct CancelScratch {
 /// group commit that stores them; their confirm still goes out after this write's fsync.)
 /// Returns how many messages were dropped.
 fn cancel_acked(ops: &mut Vec<Op>, scratch: &mut CancelScratch) -> u64 {
+    let n = mark_acked(ops, scratch);
+    if n > 0 {
+        let mut i = 0;
+        ops.retain(|_| {
+            i += 1;
+            !scratch.cancel[i - 1]
+        });
+    }
+    n
+}
+
+/// The work of [`cancel_acked`] without dropping anything: each message stored by a
+/// single-queue `Enqueue` of `ops` and removed from that queue by a later `Remove` of `ops` is
+/// taken out of that `Remove` (with its size), and `scratch.cancel` marks the ops to drop
+/// (those `Enqueue`s, and the `Remove`s left with no key). Returns how many messages that is
+/// (0: `scratch.cancel` is not set, nothing is to drop).
+pub(crate) fn mark_acked(ops: &mut [Op], scratch: &mut CancelScratch) -> u64 {
     if !ops.iter().any(|op| matches!(op, Op::Remove { .. })) {
         return 0;
     }
@@ -126,7 +143,7 @@ fn cancel_acked(ops: &mut Vec<Op>, scratch: &mut CancelScratch) -> u64 {
         else {
             continue;
         };
-        // Whether the key at each position stays (its enqueue is not in this write before it,
+        // Whether the key at each position stays (its enqueue is not in these ops before it,
         // or was cancelled already: a message is removed once).
         let mut stays = |k: &u64| {
             let Some(&j) = stored.get(k).filter(|&&j| j < i) else {
@@ -143,15 +160,13 @@ fn cancel_acked(ops: &mut Vec<Op>, scratch: &mut CancelScratch) -> u64 {
         };
         if sizes.len() == keys.len() {
             // The sizes (one per key) go with their keys.
-            let mut at = 0;
             let mut kept = 0;
-            while at < keys.len() {
+            for at in 0..keys.len() {
                 if stays(&keys[at]) {
                     keys.swap(kept, at);
                     sizes.swap(kept, at);
                     kept += 1;
                 }
-                at += 1;
             }
             keys.truncate(kept);
             sizes.truncate(kept);
@@ -163,11 +178,6 @@ fn cancel_acked(ops: &mut Vec<Op>, scratch: &mut CancelScratch) -> u64 {
             cancel[i] = true;
         }
     }
-    let mut i = 0;
-    ops.retain(|_| {
-        i += 1;
-        !cancel[i - 1]
-    });
     n
 }
 

@@ -82,6 +82,13 @@ impl Broker {
         self.local.next_conn_id = self.local.next_conn_id.max(old.local.next_conn_id);
     }
 
+    /// Message `id` was enqueued and removed by ops this broker does not apply (a replica
+    /// skipping a message acknowledged within the ops it applies at once): ids go on after
+    /// it, as if it had been applied (ids are never given twice).
+    pub fn message_id_seen(&mut self, id: u64) {
+        self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
+    }
+
     /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
     pub fn record_ops(&mut self) {
         self.log.ops.get_or_insert_with(Vec::new);

@@ -157,6 +157,8 @@ pub struct Replication {
     pub grow_pending: AtomicBool,
     /// `--load-definitions` was imported (the first time this process led).
     pub definitions_loaded: AtomicBool,
+    /// A follower's message ops not applied yet (`sm::Deferred`; taken after `state`).
+    pub deferred: parking_lot::Mutex<sm::Deferred>,
 }
 
 impl std::fmt::Debug for Replication {
@@ -188,6 +190,7 @@ impl Replication {
             heard: Default::default(),
             grow_pending: AtomicBool::new(false),
             definitions_loaded: AtomicBool::new(false),
+            deferred: Default::default(),
         }
     }
 
@@ -467,6 +470,7 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         tokio::spawn(first_snapshot(rep.clone(), raft.clone()));
     }
     tokio::spawn(propose(shared.clone(), rep.clone(), raft.clone()));
+    tokio::spawn(flush_deferred(shared.clone(), rep.clone()));
     tokio::spawn(watch_leadership(shared, rep, raft, learned));
     Ok(())
 }
@@ -572,6 +576,35 @@ async fn first_snapshot(rep: Arc<Replication>, raft: Raft) {
         index,
         "a single node's data is now the cluster's first snapshot"
     );
+}
+
+/// Apply a follower's deferred message ops once they are `sm::DEFER` old when no entry
+/// comes to do it (the last ones before a quiet spell): its broker and store catch up with
+/// what it applied.
+async fn flush_deferred(shared: Arc<Shared>, rep: Arc<Replication>) {
+    let mut tick = tokio::time::interval(sm::DEFER / 4);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(committer) = shared.committer.as_ref() else {
+            return;
+        };
+        // A look first, without the broker lock (a leader never defers).
+        if !rep.deferred.lock().due() {
+            continue;
+        }
+        let mut broker = shared.broker.lock();
+        let mut deferred = rep.deferred.lock();
+        if !deferred.due() {
+            continue;
+        }
+        if let Some((part, at)) = deferred.apply(&mut broker) {
+            // A failed write is the committer's to log; the state machine's next write fails
+            // too and stops this node.
+            let (done, _) = tokio::sync::oneshot::channel();
+            committer.submit_group(part.into_iter().collect(), at, done);
+        }
+    }
 }
 
 /// Proposals in flight at once: while one is being fsynced and replicated, the next gathers
@@ -814,6 +847,15 @@ fn propose_barrier(
 fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
     let lid = barrier.leader;
     let mut broker = shared.lock();
+    // Applied at the barrier already (`sm::Deferred`): nothing is left, but a leader must
+    // serve from everything it applied.
+    if let (Some((part, at)), Some(committer)) = (
+        rep.deferred.lock().apply(&mut broker),
+        shared.committer.as_ref(),
+    ) {
+        let (done, _) = tokio::sync::oneshot::channel();
+        committer.submit_group(part.into_iter().collect(), at, done);
+    }
     {
         let mut p = rep.state.lock();
         p.leading = Some(lid);

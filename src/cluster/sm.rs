@@ -5,7 +5,9 @@
 //! deliveries come out at once); its entries only release the journals waiting for them (the
 //! store write, then the confirms and *-ok replies). Every other entry (on followers, on a
 //! node replaying its log after a restart, on a node that was leader in an earlier term) is
-//! decoded and applied op by op. Either way the store write carries the applied position in
+//! decoded and applied op by op; entries of message ops alone are held up to `DEFER` and
+//! applied together, skipping the messages enqueued and acknowledged within them
+//! (`Deferred`). Either way the store write carries the applied position in
 //! the same atomic write (`Store::write_applied`): the store never holds a change without the
 //! position that covers it, nor a position ahead of what it holds (after a crash the node
 //! applies again from the position its store has). Confirms and replies go at apply time
@@ -60,6 +62,132 @@ pub struct StateMachine {
 
 /// Applies whose store writes may be in flight at once.
 const WRITES_IN_FLIGHT: usize = 1024;
+
+/// How long a follower holds the message ops of the entries it applies before applying them
+/// to its broker (`Deferred`).
+pub const DEFER: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Deferred ops, and bytes of the bodies they enqueue, applied at once whatever their age (a
+/// bound on the memory they hold).
+const DEFER_OPS: usize = 200_000;
+const DEFER_BYTES: u64 = 64 << 20;
+
+/// A follower's entries made only of message ops (`Enqueue`, `Remove`), applied to its broker
+/// up to `DEFER` later, all at once: a message is enqueued by one entry and its ack removes it
+/// a Raft round later, so most messages of the deferred entries are enqueued and removed
+/// within them, and those the follower skips altogether (`commit::mark_acked`, as the
+/// committer drops them from a store write): the broker never holds them, nothing is written.
+/// Applying every message and its removal one by one was a third of a follower's work.
+///
+/// The entries are applied as far as openraft knows (their apply returned); the broker and
+/// the store catch up when the deferred ops are applied: before any entry of another kind
+/// (definitions, membership, a barrier: so a node promoted has applied everything), before a
+/// snapshot is built or installed, once the oldest is `DEFER` old (at the next apply, or by
+/// the node's timer, `flush_deferred`), and at promotion. The store's applied position only
+/// ever covers what the store holds: a node that stops with ops deferred applies those entries
+/// again from its log when it starts. Under the broker lock (taken first) and the proposals'.
+#[derive(Default)]
+pub struct Deferred {
+    ops: Vec<warren_storage::Op>,
+    /// The leader's clock of each op's entry (`Batch::clock_ms`).
+    clocks: Vec<u64>,
+    /// When the oldest was deferred.
+    since: Option<std::time::Instant>,
+    /// Body bytes the deferred ops enqueue.
+    bytes: u64,
+    /// The store position (`Applied`, encoded) after the last deferred entry.
+    applied: Vec<u8>,
+    scratch: crate::commit::CancelScratch,
+}
+
+impl Deferred {
+    fn push(&mut self, ops: Vec<warren_storage::Op>, clock_ms: u64, applied: Vec<u8>) {
+        self.since.get_or_insert_with(std::time::Instant::now);
+        self.clocks.extend(std::iter::repeat_n(clock_ms, ops.len()));
+        for op in &ops {
+            if let warren_storage::Op::Enqueue { body, .. } = op {
+                self.bytes += body.len() as u64;
+            }
+        }
+        self.ops.extend(ops);
+        self.applied = applied;
+    }
+
+    /// Whether the deferred ops must be applied now.
+    pub fn due(&self) -> bool {
+        self.since.is_some_and(|t| t.elapsed() >= DEFER)
+            || self.ops.len() >= DEFER_OPS
+            || self.bytes >= DEFER_BYTES
+    }
+
+    /// Apply the deferred ops to `broker` (skipping the messages they enqueue and remove):
+    /// the store write that follows (None when nothing was written to it) and the store
+    /// position it brings the store to. None if nothing is deferred.
+    pub fn apply(&mut self, broker: &mut crate::broker::Broker) -> Option<(Option<Part>, Vec<u8>)> {
+        if self.ops.is_empty() {
+            return None;
+        }
+        let skipped = crate::commit::mark_acked(&mut self.ops, &mut self.scratch) > 0;
+        let mut fx = Vec::new();
+        let mut clock = None;
+        for (i, op) in self.ops.drain(..).enumerate() {
+            let at = self.clocks.get(i).copied().unwrap_or(0);
+            if skipped && self.scratch.cancel.get(i).copied().unwrap_or(false) {
+                if let warren_storage::Op::Enqueue { id, .. } = &op {
+                    broker.message_id_seen(*id);
+                }
+                continue;
+            }
+            if clock != Some(at) {
+                broker.set_clock(at);
+                clock = Some(at);
+            }
+            // Deterministic, as in `apply`.
+            if let Err(e) = broker.apply(&op, &mut fx) {
+                warn!(error = %e.text, "a replicated op was refused");
+            }
+            // Nobody is served here.
+            fx.clear();
+        }
+        self.clocks.clear();
+        self.since = None;
+        self.bytes = 0;
+        let journal = broker.take_journal();
+        let part = (!journal.is_empty()).then(|| Part {
+            ticket: broker.journal_seq(),
+            ops: journal,
+            notify: None,
+        });
+        Some((part, std::mem::take(&mut self.applied)))
+    }
+}
+
+/// Apply what is deferred (if anything) before what comes next: its store write joins `parts`.
+/// The position it brings the store to is superseded by the entry applied next.
+/// `committed` goes up to the journal batch it took (only ever on a node not serving: one
+/// serving defers nothing).
+fn flush_into(
+    broker: &mut crate::broker::Broker,
+    deferred: &mut Deferred,
+    parts: &mut Vec<Part>,
+    committed: &mut u64,
+) {
+    if let Some((part, _)) = deferred.apply(broker) {
+        parts.extend(part);
+        *committed = (*committed).max(broker.journal_seq());
+    }
+}
+
+/// Whether an entry's ops may be deferred (see `Deferred`).
+fn deferrable(ops: &[warren_storage::Op]) -> bool {
+    !ops.is_empty()
+        && ops.iter().all(|op| {
+            matches!(
+                op,
+                warren_storage::Op::Enqueue { .. } | warren_storage::Op::Remove { .. }
+            )
+        })
+}
 
 /// The snapshot this node keeps (and sends), in `<data-dir>/raft-snapshot`.
 const CURRENT: &str = "current";
@@ -356,8 +484,29 @@ impl StateMachine {
         Ok(())
     }
 
-    /// Wait until every applied entry is in the store.
+    /// Wait until every applied entry is in the store: what is deferred is applied first, and
+    /// a write is submitted after every write before it (the deferred ops' timer writes too)
+    /// to wait for.
     async fn settle(&mut self) -> Result<(), StorageError> {
+        let committer = self
+            .shared
+            .committer
+            .as_ref()
+            .ok_or_else(|| io_err("a cluster node needs a store"))?;
+        {
+            let mut broker = self.shared.broker.lock();
+            let mut deferred = self.rep.deferred.lock();
+            let (parts, at) = match deferred.apply(&mut broker) {
+                Some((part, at)) => (part.into_iter().collect(), at),
+                None => (
+                    Vec::new(),
+                    postcard::to_stdvec(&self.applied).map_err(io_err)?,
+                ),
+            };
+            let (done, rx) = tokio::sync::oneshot::channel();
+            committer.submit_group(parts, at, done);
+            self.writing.push_back(rx);
+        }
         if let Some(committer) = self.shared.committer.as_ref() {
             // Lingering writes go now rather than at their deadline.
             committer.hurry();
@@ -384,78 +533,104 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             .as_ref()
             .ok_or_else(|| io_err("a cluster node needs a store"))?;
         let mut n = 0;
-        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let mut written = None;
         {
             // The broker lock, then the proposals' (as `BrokerGuard::flush` takes them): a
             // demotion (which takes both) lands between two applies, never inside one.
             let mut broker = self.shared.broker.lock();
             let mut p = self.rep.state.lock();
+            let mut deferred = self.rep.deferred.lock();
             let mut parts: Vec<Part> = Vec::new();
             let mut fx = Vec::new();
             let mut committed = 0;
+            // The store position the write of `parts` brings the store to (None: this apply
+            // changed nothing the store holds yet, all it had was deferred).
+            let mut store_at: Option<Vec<u8>> = None;
             for entry in entries {
                 n += 1;
                 self.applied.log_id = Some(entry.log_id);
                 match entry.payload {
-                    EntryPayload::Blank => {}
+                    EntryPayload::Blank => {
+                        flush_into(&mut broker, &mut deferred, &mut parts, &mut committed);
+                    }
                     EntryPayload::Membership(m) => {
+                        flush_into(&mut broker, &mut deferred, &mut parts, &mut committed);
                         self.applied.membership = StoredMembership::new(Some(entry.log_id), m);
                     }
                     EntryPayload::Normal(batch) => {
                         if p.barrier_applied(entry.log_id.leader_id, batch.proposer) {
                             // This node's barrier: everything before it is applied now.
-                            continue;
-                        }
-                        if p.is_ours(entry.log_id.leader_id, batch.proposer) {
+                            flush_into(&mut broker, &mut deferred, &mut parts, &mut committed);
+                        } else if p.is_ours(entry.log_id.leader_id, batch.proposer) {
                             // Applied already: release the journals it covers.
+                            flush_into(&mut broker, &mut deferred, &mut parts, &mut committed);
                             committed = committed.max(batch.ticket);
                             while p.fifo.front().is_some_and(|f| f.ticket <= batch.ticket) {
                                 if let Some(part) = p.fifo.pop_front() {
                                     parts.push(part);
                                 }
                             }
-                            continue;
-                        }
-                        if p.leading.is_some() {
-                            // A leader applies only its own term's entries once it serves.
-                            error!(log_id = %entry.log_id, "an entry this leader did not propose; stepping down");
-                            p.diverged = true;
-                        }
-                        let ops = match warren_storage::op_codec::decode_ops(batch.ops.clone()) {
-                            Ok(ops) => ops,
-                            Err(e) => {
-                                // The leader encoded it: a defect or a damaged log, never
-                                // client input. Stop rather than diverge.
-                                error!(log_id = %entry.log_id, error = %e, "a replicated entry does not decode");
-                                return Err(io_err(format!(
-                                    "entry {} does not decode: {e}",
-                                    entry.log_id
-                                )));
+                        } else {
+                            if p.leading.is_some() {
+                                // A leader applies only its own term's entries once it serves.
+                                error!(log_id = %entry.log_id, "an entry this leader did not propose; stepping down");
+                                p.diverged = true;
                             }
-                        };
-                        broker.set_clock(batch.clock_ms);
-                        for op in &ops {
-                            // Deterministic: the leader applied the same op to the same state,
-                            // so an error here was an error there too (and changed nothing).
-                            if let Err(e) = broker.apply(op, &mut fx) {
-                                warn!(log_id = %entry.log_id, error = %e.text, "a replicated op was refused");
+                            let ops = match warren_storage::op_codec::decode_ops(batch.ops.clone())
+                            {
+                                Ok(ops) => ops,
+                                Err(e) => {
+                                    // The leader encoded it: a defect or a damaged log, never
+                                    // client input. Stop rather than diverge.
+                                    error!(log_id = %entry.log_id, error = %e, "a replicated entry does not decode");
+                                    return Err(io_err(format!(
+                                        "entry {} does not decode: {e}",
+                                        entry.log_id
+                                    )));
+                                }
+                            };
+                            if p.leading.is_none() && deferrable(&ops) {
+                                let at = postcard::to_stdvec(&self.applied).map_err(io_err)?;
+                                deferred.push(ops, batch.clock_ms, at);
+                                continue;
                             }
-                        }
-                        // Nobody is served here: deliveries and wake-ups have no one to reach.
-                        fx.clear();
-                        let journal = broker.take_journal();
-                        committed = committed.max(broker.journal_seq());
-                        if !journal.is_empty() {
-                            parts.push(Part {
-                                ticket: broker.journal_seq(),
-                                ops: journal,
-                                notify: None,
-                            });
+                            flush_into(&mut broker, &mut deferred, &mut parts, &mut committed);
+                            broker.set_clock(batch.clock_ms);
+                            for op in &ops {
+                                // Deterministic: the leader applied the same op to the same
+                                // state, so an error here was an error there too (and changed
+                                // nothing).
+                                if let Err(e) = broker.apply(op, &mut fx) {
+                                    warn!(log_id = %entry.log_id, error = %e.text, "a replicated op was refused");
+                                }
+                            }
+                            // Nobody is served here: deliveries and wake-ups have no one to
+                            // reach.
+                            fx.clear();
+                            let journal = broker.take_journal();
+                            // Never on a leader serving (its journal numbers run ahead of
+                            // what is committed: they hold deliveries back).
+                            committed = committed.max(broker.journal_seq());
+                            if !journal.is_empty() {
+                                parts.push(Part {
+                                    ticket: broker.journal_seq(),
+                                    ops: journal,
+                                    notify: None,
+                                });
+                            }
                         }
                     }
                 }
+                // Not deferred: the store is to be at this entry.
+                store_at = Some(postcard::to_stdvec(&self.applied).map_err(io_err)?);
             }
-            let applied = postcard::to_stdvec(&self.applied).map_err(io_err)?;
+            if deferred.due() {
+                if let Some((part, at)) = deferred.apply(&mut broker) {
+                    parts.extend(part);
+                    store_at = Some(at);
+                    committed = committed.max(broker.journal_seq());
+                }
+            }
             // Committed means confirmed: a majority has these entries in its fsynced Raft log,
             // and this node's store catches up from it after a crash. Each requester hears now,
             // not after the store write (which may linger: `commit::LINGER`).
@@ -468,7 +643,16 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                     });
                 }
             }
-            committer.submit_group(parts, applied, done_tx);
+            if let Some(at) = store_at {
+                let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+                committer.submit_group(parts, at, done_tx);
+                written = Some(done_rx);
+            } else if !parts.is_empty() {
+                // Parts come only with an entry applied (which sets `store_at`).
+                error!("store writes without a position to write them at; stopping");
+                return Err(io_err("store writes without a store position"));
+            }
+            drop(deferred);
             drop(p);
             // Deliveries of the messages these entries enqueued may go now (a majority has
             // them; the local write above need not be done first).
@@ -477,7 +661,9 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
         // Writes in flight let the committer merge consecutive applies into one store write (a
         // message stored by one entry and acknowledged by a later one is then never written).
         // Bounded, so that a store slower than the log holds back applying.
-        self.writing.push_back(done_rx);
+        if let Some(rx) = written {
+            self.writing.push_back(rx);
+        }
         self.reap(WRITES_IN_FLIGHT).await?;
         Ok(vec![(); n])
     }
@@ -650,5 +836,122 @@ impl RaftSnapshotBuilder<TypeConfig> for Builder {
         info!(snapshot = %self.meta.snapshot_id, bytes = size, current = made, "snapshot built");
         // The current one (this, or a newer one installed meanwhile).
         open_current(&self.dir)?.ok_or_else(|| io_err("the snapshot file is gone"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Deferred;
+    use crate::broker::Broker;
+    use bytes::Bytes;
+    use warren_storage::Op;
+
+    fn enqueue(id: u64) -> Op {
+        Op::Enqueue {
+            vhost: "/".into(),
+            queues: vec![("q".into(), 0)].into(),
+            id,
+            timestamp_ms: 1,
+            exchange: "".into(),
+            routing_key: "q".into(),
+            properties: Bytes::from_static(&[0, 0]),
+            body: Bytes::from(vec![b'x'; 10]).into(),
+        }
+    }
+
+    fn remove(ids: &[u64]) -> Op {
+        Op::Remove {
+            vhost: "/".into(),
+            queue: "q".into(),
+            keys: ids
+                .iter()
+                .map(|id| warren_storage::message_key(0, *id))
+                .collect(),
+            sizes: vec![10; ids.len()],
+        }
+    }
+
+    /// A follower's deferred entries: the messages enqueued and acknowledged within them never
+    /// reach its broker or its store; the others do, in order, and message ids go on after
+    /// the skipped ones. The store position is the last deferred entry's.
+    #[test]
+    fn deferred_entries_skip_the_messages_acknowledged_within_them() {
+        let mut b = Broker::new();
+        b.enable_journal();
+        let mut fx = Vec::new();
+        b.apply(
+            &Op::DeclareQueue {
+                vhost: "/".into(),
+                name: "q".into(),
+                durable: true,
+                exclusive: false,
+                auto_delete: false,
+                arguments: Bytes::from_static(&[0, 0, 0, 0]),
+            },
+            &mut fx,
+        )
+        .unwrap();
+        b.apply(&enqueue(1), &mut fx).unwrap();
+        b.take_journal();
+        let mut d = Deferred::default();
+        assert!(
+            d.apply(&mut b).is_none(),
+            "nothing deferred, nothing applied"
+        );
+        // Three entries: 2 and 3 enqueued, then acks of 1 (applied before) and 2, then 4.
+        d.push(vec![enqueue(2), enqueue(3)], 5, vec![1]);
+        d.push(vec![remove(&[1, 2])], 6, vec![2]);
+        d.push(vec![enqueue(4)], 7, vec![3]);
+        assert!(!d.due(), "due before DEFER");
+        assert_eq!(b.queue_info("/", "q").unwrap().message_count, 1);
+        let (part, at) = d.apply(&mut b).unwrap();
+        assert_eq!(at, vec![3]);
+        assert_eq!(b.queue_info("/", "q").unwrap().message_count, 2);
+        let written: Vec<String> = part
+            .unwrap()
+            .ops
+            .iter()
+            .map(|op| match op {
+                Op::Enqueue { id, .. } => format!("enqueue {id}"),
+                Op::Remove { keys, .. } => format!(
+                    "remove {:?}",
+                    keys.iter()
+                        .map(|k| warren_storage::key_id(*k))
+                        .collect::<Vec<_>>()
+                ),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(written, ["enqueue 3", "remove [1]", "enqueue 4"]);
+        assert!(d.apply(&mut b).is_none(), "applied once");
+        d.push(vec![enqueue(9), remove(&[9])], 8, vec![4]);
+        let (part, at) = d.apply(&mut b).unwrap();
+        assert!(
+            part.is_none(),
+            "a message enqueued and removed is not written"
+        );
+        assert_eq!(at, vec![4]);
+        assert_eq!(b.queue_info("/", "q").unwrap().message_count, 2);
+        // Promoted, this broker gives the next message an id after the skipped one.
+        let properties =
+            amq_protocol::protocol::basic::AMQPProperties::default().with_delivery_mode(2);
+        let msg = crate::broker::Message {
+            exchange: "".into(),
+            routing_key: "q".into(),
+            raw_properties: warren_protocol::codec::encode_properties(&properties),
+            properties,
+            body: Bytes::from_static(b"next").into(),
+            expiration: None,
+        };
+        b.publish("/", std::sync::Arc::new(msg), &mut fx).unwrap();
+        let ids: Vec<u64> = b
+            .take_journal()
+            .iter()
+            .filter_map(|op| match op {
+                Op::Enqueue { id, .. } => Some(*id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, [10]);
     }
 }
