@@ -56,6 +56,23 @@ pub const LINGER: std::time::Duration = std::time::Duration::from_millis(100);
 /// Ops that end a linger early (a write stays a reasonable size; about this many messages).
 const LINGER_OPS: usize = 50_000;
 
+impl Request {
+    /// A request that writes nothing: it ends a linger, and `done` hears once everything
+    /// submitted before it is written.
+    fn empty(done: Option<Box<dyn FnOnce(bool) + Send>>) -> Self {
+        Request {
+            ops: Default::default(),
+            sync: false,
+            ticket: 0,
+            notify: None,
+            more: Vec::new(),
+            applied: None,
+            done,
+            linger: false,
+        }
+    }
+}
+
 /// One journal batch of a group written with [`Committer::submit_group`].
 pub struct Part {
     pub ticket: u64,
@@ -346,34 +363,16 @@ impl Committer {
     /// Write what lingers (see [`LINGER`]) now: for a waiter that needs the store to catch
     /// up (a publisher throttled until its message is written).
     pub fn hurry(&self) {
-        self.send(Request {
-            ops: Default::default(),
-            sync: false,
-            ticket: 0,
-            notify: None,
-            more: Vec::new(),
-            applied: None,
-            done: None,
-            linger: false,
-        });
+        self.send(Request::empty(None));
     }
 
     /// Wait until everything submitted before is written (blocking: for a caller outside the
     /// async runtime's workers, or one that must hold a lock across it).
     pub fn barrier(&self) -> bool {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.send(Request {
-            ops: Default::default(),
-            sync: false,
-            ticket: 0,
-            notify: None,
-            more: Vec::new(),
-            applied: None,
-            done: Some(Box::new(move |ok| {
-                let _ = tx.send(ok);
-            })),
-            linger: false,
-        });
+        self.send(Request::empty(Some(Box::new(move |ok| {
+            let _ = tx.send(ok);
+        }))));
         rx.recv().unwrap_or(false)
     }
 

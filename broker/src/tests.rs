@@ -634,6 +634,40 @@ fn a_failed_backlog_read_is_retried_by_the_timer() {
     assert_eq!(b.queue_info("/", "deep").unwrap().message_count, 0);
 }
 
+/// What a replica applies for queue "deep" (durable) and messages `1..=n` in it, each with the
+/// body `body(id)`.
+fn replicate_deep_queue(b: &mut Broker, n: u64, body: impl Fn(u64) -> Vec<u8>) {
+    let mut fx = Vec::new();
+    b.apply(
+        &Op::DeclareQueue {
+            vhost: "/".into(),
+            name: "deep".into(),
+            durable: true,
+            exclusive: false,
+            auto_delete: false,
+            arguments: Bytes::from_static(&[0, 0, 0, 0]),
+        },
+        &mut fx,
+    )
+    .unwrap();
+    for id in 1..=n {
+        b.apply(
+            &Op::Enqueue {
+                vhost: "/".into(),
+                queues: vec![("deep".into(), 0)].into(),
+                id,
+                timestamp_ms: 1,
+                exchange: "".into(),
+                routing_key: "deep".into(),
+                properties: Bytes::from_static(&[0, 0]),
+                body: Bytes::from(body(id)).into(),
+            },
+            &mut fx,
+        )
+        .unwrap();
+    }
+}
+
 /// A replica's queue has no consumers, so past its window the messages it is given go to its
 /// store; the leader's acks then remove them from there. A `Remove` that carries the messages'
 /// sizes (as a leader records it) takes them out of the counts without reading them back (one
@@ -655,36 +689,9 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
             clock: Default::default(),
         });
         let mut fx = Vec::new();
-        b.apply(
-            &Op::DeclareQueue {
-                vhost: "/".into(),
-                name: "deep".into(),
-                durable: true,
-                exclusive: false,
-                auto_delete: false,
-                arguments: Bytes::from_static(&[0, 0, 0, 0]),
-            },
-            &mut fx,
-        )
-        .unwrap();
         // Bodies of 1..=n bytes, so every size counts.
         let n = queue::WINDOW_MESSAGES as u64 + 300;
-        for id in 1..=n {
-            b.apply(
-                &Op::Enqueue {
-                    vhost: "/".into(),
-                    queues: vec![("deep".into(), 0)].into(),
-                    id,
-                    timestamp_ms: 1,
-                    exchange: "".into(),
-                    routing_key: "deep".into(),
-                    properties: Bytes::from_static(&[0, 0]),
-                    body: Bytes::from(vec![b'x'; id as usize]).into(),
-                },
-                &mut fx,
-            )
-            .unwrap();
-        }
+        replicate_deep_queue(&mut b, n, |id| vec![b'x'; id as usize]);
         let ops = b.take_journal();
         warren_storage::Store::write(&*store, &ops, false).unwrap();
         written.store(b.journal_seq(), Ordering::Release);
@@ -735,35 +742,8 @@ fn a_replica_removes_paged_out_messages_by_the_sizes_in_the_op() {
 fn a_read_of_the_disk_part_waits_for_the_removals_the_queue_applied() {
     let (mut b, c, store, written) = async_pager();
     let mut fx = Vec::new();
-    b.apply(
-        &Op::DeclareQueue {
-            vhost: "/".into(),
-            name: "deep".into(),
-            durable: true,
-            exclusive: false,
-            auto_delete: false,
-            arguments: Bytes::from_static(&[0, 0, 0, 0]),
-        },
-        &mut fx,
-    )
-    .unwrap();
     let n = queue::WINDOW_MESSAGES as u64 + 40;
-    for id in 1..=n {
-        b.apply(
-            &Op::Enqueue {
-                vhost: "/".into(),
-                queues: vec![("deep".into(), 0)].into(),
-                id,
-                timestamp_ms: 1,
-                exchange: "".into(),
-                routing_key: "deep".into(),
-                properties: Bytes::from_static(&[0, 0]),
-                body: Bytes::from(id.to_string()).into(),
-            },
-            &mut fx,
-        )
-        .unwrap();
-    }
+    replicate_deep_queue(&mut b, n, |id| id.to_string().into_bytes());
     commit_to(&mut b, &store, &written);
     // The first WINDOW_MESSAGES in memory, the rest on disk. The leader's acks of all those
     // in memory and of 5 of the disk part: applied, not yet written.
