@@ -598,12 +598,9 @@ async fn flush_deferred(shared: Arc<Shared>, rep: Arc<Replication>) {
         if !deferred.due() {
             continue;
         }
-        if let Some((part, at)) = deferred.apply(&mut broker) {
-            // A failed write is the committer's to log; the state machine's next write fails
-            // too and stops this node.
-            let (done, _) = tokio::sync::oneshot::channel();
-            committer.submit_group(part.into_iter().collect(), at, done);
-        }
+        // A failed write is the committer's to log; the state machine's next write fails too
+        // and stops this node.
+        let _ = deferred.write(&mut broker, committer);
     }
 }
 
@@ -849,12 +846,8 @@ fn promote(shared: &Arc<Shared>, rep: &Replication, barrier: Barrier) {
     let mut broker = shared.lock();
     // Applied at the barrier already (`sm::Deferred`): nothing is left, but a leader must
     // serve from everything it applied.
-    if let (Some((part, at)), Some(committer)) = (
-        rep.deferred.lock().apply(&mut broker),
-        shared.committer.as_ref(),
-    ) {
-        let (done, _) = tokio::sync::oneshot::channel();
-        committer.submit_group(part.into_iter().collect(), at, done);
+    if let Some(committer) = shared.committer.as_ref() {
+        let _ = rep.deferred.lock().write(&mut broker, committer);
     }
     {
         let mut p = rep.state.lock();

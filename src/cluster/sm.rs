@@ -178,6 +178,21 @@ fn flush_into(
     }
 }
 
+impl Deferred {
+    /// Apply what is deferred (see `apply`) and submit its store write; the receiver of that
+    /// write's outcome (None: nothing was deferred).
+    pub fn write(
+        &mut self,
+        broker: &mut crate::broker::Broker,
+        committer: &crate::commit::Committer,
+    ) -> Option<tokio::sync::oneshot::Receiver<bool>> {
+        let (part, at) = self.apply(broker)?;
+        let (done, rx) = tokio::sync::oneshot::channel();
+        committer.submit_group(part.into_iter().collect(), at, done);
+        Some(rx)
+    }
+}
+
 /// Whether an entry's ops may be deferred (see `Deferred`).
 fn deferrable(ops: &[warren_storage::Op]) -> bool {
     !ops.is_empty()
@@ -495,22 +510,20 @@ impl StateMachine {
             .ok_or_else(|| io_err("a cluster node needs a store"))?;
         {
             let mut broker = self.shared.broker.lock();
-            let mut deferred = self.rep.deferred.lock();
-            let (parts, at) = match deferred.apply(&mut broker) {
-                Some((part, at)) => (part.into_iter().collect(), at),
-                None => (
-                    Vec::new(),
-                    postcard::to_stdvec(&self.applied).map_err(io_err)?,
-                ),
+            let rx = match self.rep.deferred.lock().write(&mut broker, committer) {
+                Some(rx) => rx,
+                None => {
+                    // Nothing deferred: the store is to be at the applied position.
+                    let at = postcard::to_stdvec(&self.applied).map_err(io_err)?;
+                    let (done, rx) = tokio::sync::oneshot::channel();
+                    committer.submit_group(Vec::new(), at, done);
+                    rx
+                }
             };
-            let (done, rx) = tokio::sync::oneshot::channel();
-            committer.submit_group(parts, at, done);
             self.writing.push_back(rx);
         }
-        if let Some(committer) = self.shared.committer.as_ref() {
-            // Lingering writes go now rather than at their deadline.
-            committer.hurry();
-        }
+        // Lingering writes go now rather than at their deadline.
+        committer.hurry();
         self.reap(0).await
     }
 }
@@ -543,11 +556,14 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
             let mut parts: Vec<Part> = Vec::new();
             let mut fx = Vec::new();
             let mut committed = 0;
-            // The store position the write of `parts` brings the store to (None: this apply
-            // changed nothing the store holds yet, all it had was deferred).
+            // The store position the write of `parts` brings the store to: `self.applied`
+            // while `at_applied` (the last entry was not deferred), else `store_at` (None: this
+            // apply changed nothing the store holds yet, all it had was deferred).
             let mut store_at: Option<Vec<u8>> = None;
+            let mut at_applied = false;
             for entry in entries {
                 n += 1;
+                let before = self.applied.log_id;
                 self.applied.log_id = Some(entry.log_id);
                 match entry.payload {
                     EntryPayload::Blank => {
@@ -590,6 +606,15 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                                 }
                             };
                             if p.leading.is_none() && deferrable(&ops) {
+                                if at_applied {
+                                    // The entries before this one are the store's position.
+                                    let prior = Applied {
+                                        log_id: before,
+                                        membership: self.applied.membership.clone(),
+                                    };
+                                    store_at = Some(postcard::to_stdvec(&prior).map_err(io_err)?);
+                                    at_applied = false;
+                                }
                                 let at = postcard::to_stdvec(&self.applied).map_err(io_err)?;
                                 deferred.push(ops, batch.clock_ms, at);
                                 continue;
@@ -622,14 +647,18 @@ impl RaftStateMachine<TypeConfig> for StateMachine {
                     }
                 }
                 // Not deferred: the store is to be at this entry.
-                store_at = Some(postcard::to_stdvec(&self.applied).map_err(io_err)?);
+                at_applied = true;
             }
             if deferred.due() {
                 if let Some((part, at)) = deferred.apply(&mut broker) {
                     parts.extend(part);
                     store_at = Some(at);
+                    at_applied = false;
                     committed = committed.max(broker.journal_seq());
                 }
+            }
+            if at_applied {
+                store_at = Some(postcard::to_stdvec(&self.applied).map_err(io_err)?);
             }
             // Committed means confirmed: a majority has these entries in its fsynced Raft log,
             // and this node's store catches up from it after a crash. Each requester hears now,
