@@ -36,6 +36,15 @@ def proc_counters(pid):
         fields = f.read().rsplit(")", 1)[1].split()
     r["cpu_ticks"] = int(fields[11]) + int(fields[12])
     r["minflt"] = int(fields[7])
+    r["ctxt"] = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, tid)) as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")):
+                        r["ctxt"] += int(line.split()[1])
+        except OSError:
+            pass
     return r
 
 
@@ -117,11 +126,11 @@ def main():
         for c in children:
             b, e = before[c.pid], after[c.pid]
             print("%-8s pid %d: CPU %.1f us/msg, write(2) %.0f B/msg, to disk %.0f B/msg, "
-                  "%.2f page faults/msg" % (
+                  "%.2f page faults/msg, %.3f context switches/msg" % (
                       "leader" if c.pid == leader else "follower", c.pid,
                       (e["cpu_ticks"] - b["cpu_ticks"]) * tick_us / n,
                       (e["wchar"] - b["wchar"]) / n, (e["write_bytes"] - b["write_bytes"]) / n,
-                      (e["minflt"] - b["minflt"]) / n))
+                      (e["minflt"] - b["minflt"]) / n, (e["ctxt"] - b["ctxt"]) / n))
             # The busiest threads, as a share of one core over the run (a thread near 100%
             # is a serial bottleneck whatever the machine's idle time).
             tb, ta = threads_before[c.pid], threads_after[c.pid]

@@ -51,6 +51,8 @@ const FORMAT: u8 = 1;
 const READ_BUDGET: usize = 4 << 20;
 /// The newest entries kept in memory (bytes of their encodings; at least the last one).
 const TAIL_BYTES: usize = 16 << 20;
+/// The largest `LogStore::scratch` kept after an append.
+const SCRATCH_KEEP: usize = 16 << 20;
 
 const VOTE: &[u8] = b"vote";
 const COMMITTED: &[u8] = b"committed";
@@ -59,11 +61,24 @@ const LAST_PURGED_ID: &[u8] = b"last_purged_id";
 /// The Raft log of this node (see the module doc). Clones share the one database and the one
 /// sync thread; the last clone dropped stops the thread (after its pending syncs) and closes the
 /// database.
-#[derive(Clone)]
 pub struct LogStore {
     inner: Arc<Inner>,
     /// The last committed index + 1, or 0 when none is known (`committed_index`).
     committed: Arc<AtomicU64>,
+    /// The buffer `append` encodes entries into, kept between appends: a fresh one of a few
+    /// hundred KiB per append came from memory the allocator had given back to the kernel,
+    /// which faulted in and zeroed it page by page (a few % of each node's CPU under load).
+    scratch: Vec<u8>,
+}
+
+impl Clone for LogStore {
+    fn clone(&self) -> Self {
+        LogStore {
+            inner: self.inner.clone(),
+            committed: self.committed.clone(),
+            scratch: Vec::new(),
+        }
+    }
 }
 
 impl Debug for LogStore {
@@ -199,6 +214,7 @@ impl LogStore {
                 tail: Default::default(),
             }),
             committed: Arc::new(AtomicU64::new(committed_value(committed))),
+            scratch: Vec::new(),
         })
     }
 
@@ -313,12 +329,7 @@ fn sync_loop(db: &RaftLogDb, rx: &mpsc::Receiver<LogFlushed<TypeConfig>>) {
 }
 
 fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
-    encode_sized(value, 64)
-}
-
-/// `encode` into a buffer of `size` bytes (about the value's size: see `entry_size_hint`).
-fn encode_sized<T: Serialize>(value: &T, size: usize) -> Result<Vec<u8>, postcard::Error> {
-    let mut buf = Vec::with_capacity(size + 1);
+    let mut buf = Vec::with_capacity(64);
     buf.push(FORMAT);
     postcard::to_extend(value, buf)
 }
@@ -485,15 +496,28 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
-        let encoded = entries
+        // Every entry's encoding, one after the other in `scratch`: `ends[i]` is where entry
+        // i's ends.
+        let mut buf = std::mem::take(&mut self.scratch);
+        buf.clear();
+        buf.reserve(entries.iter().map(|e| super::types::entry_size_hint(e) + 1).sum());
+        let mut ends = Vec::with_capacity(entries.len());
+        for e in &entries {
+            buf.push(FORMAT);
+            buf = postcard::to_extend(e, buf)
+                .map_err(|err| StorageIOError::write_log_entry(e.log_id, AnyError::new(&err)))?;
+            ends.push(buf.len());
+        }
+        let mut start = 0;
+        let refs: Vec<(u64, &[u8])> = entries
             .iter()
-            .map(|e| {
-                encode_sized(e, super::types::entry_size_hint(e))
-                    .map(|bytes| (e.log_id.index, bytes))
-                    .map_err(|err| StorageIOError::write_log_entry(e.log_id, AnyError::new(&err)))
+            .zip(&ends)
+            .map(|(e, &end)| {
+                let bytes = &buf[start..end];
+                start = end;
+                (e.log_id.index, bytes)
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let refs: Vec<(u64, &[u8])> = encoded.iter().map(|(i, b)| (*i, b.as_slice())).collect();
+            .collect();
         if let Err(e) = self.db().append(&refs) {
             tracing::error!(
                 "the Raft log cannot be written ({e}): this node stops replicating (the others \
@@ -505,9 +529,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         }
         {
             let mut tail = self.inner.tail.lock();
-            for (e, (_, bytes)) in entries.into_iter().zip(&encoded) {
+            for (e, (_, bytes)) in entries.into_iter().zip(&refs) {
                 tail.push(e, bytes.len());
             }
+        }
+        drop(refs);
+        // Kept unless one unusually large append grew it far past the usual.
+        if buf.capacity() <= SCRATCH_KEEP {
+            self.scratch = buf;
         }
         let Some(syncer) = &self.inner.syncer else {
             callback.log_io_completed(Err(io::Error::other("the raft log is closing")));
