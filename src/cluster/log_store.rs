@@ -288,6 +288,36 @@ impl LogStore {
             .collect()
     }
 
+    /// The log's first and last ids (`RaftLogStorage::get_log_state`).
+    fn log_state(&self) -> Result<LogState<TypeConfig>, StorageError> {
+        let last_purged_log_id = self.last_purged_id()?;
+        let last = match self.db().last().map_err(read_logs)? {
+            Some((index, bytes)) => Some(decode_entry(index, &bytes)?.log_id),
+            None => None,
+        };
+        // Nothing is left at or below the last purged index, so an entry is always above it.
+        let last_log_id = match (last, last_purged_log_id) {
+            (Some(l), Some(p)) if l.index <= p.index => Some(p),
+            (Some(l), _) => Some(l),
+            (None, p) => p,
+        };
+        Ok(LogState {
+            last_purged_log_id,
+            last_log_id,
+        })
+    }
+
+    /// The id of the last entry of the log (or the last purged one when it holds none): from
+    /// the tail when it holds entries, else read (pre-votes compare it).
+    pub fn last_log_id(&self) -> Result<Option<LogId>, String> {
+        if let Some((e, _)) = self.inner.tail.lock().entries.back() {
+            return Ok(Some(e.log_id));
+        }
+        self.log_state()
+            .map(|state| state.last_log_id)
+            .map_err(|e| e.to_string())
+    }
+
     fn last_purged_id(&self) -> Result<Option<LogId>, StorageError> {
         match self.db().get_meta(LAST_PURGED_ID).map_err(read_logs)? {
             Some(bytes) => decode::<LogId>(&bytes)
@@ -420,21 +450,7 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = LogStore;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError> {
-        let last_purged_log_id = self.last_purged_id()?;
-        let last = match self.db().last().map_err(read_logs)? {
-            Some((index, bytes)) => Some(decode_entry(index, &bytes)?.log_id),
-            None => None,
-        };
-        // Nothing is left at or below the last purged index, so an entry is always above it.
-        let last_log_id = match (last, last_purged_log_id) {
-            (Some(l), Some(p)) if l.index <= p.index => Some(p),
-            (Some(l), _) => Some(l),
-            (None, p) => p,
-        };
-        Ok(LogState {
-            last_purged_log_id,
-            last_log_id,
-        })
+        self.log_state()
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
@@ -500,7 +516,12 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         // i's ends.
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
-        buf.reserve(entries.iter().map(|e| super::types::entry_size_hint(e) + 1).sum());
+        buf.reserve(
+            entries
+                .iter()
+                .map(|e| super::types::entry_size_hint(e) + 1)
+                .sum(),
+        );
         let mut ends = Vec::with_capacity(entries.len());
         for e in &entries {
             buf.push(FORMAT);

@@ -187,7 +187,9 @@ impl Replication {
             incarnation: AtomicU64::new(0),
             committed: AtomicU64::new(0),
             held: Default::default(),
-            heard: Default::default(),
+            heard: Arc::new(net::Heard::new(std::time::Duration::from_millis(
+                3 * heartbeat_ms,
+            ))),
             grow_pending: AtomicBool::new(false),
             definitions_loaded: AtomicBool::new(false),
             deferred: Default::default(),
@@ -419,21 +421,20 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     // 0.9 has no pre-vote). A cluster starting together elects after this, a leader restored
     // by openraft leads at once.
     {
-        let raft = raft.clone();
         let grace = std::time::Duration::from_millis(2 * lease_ms(cfg.heartbeat_ms));
-        tokio::spawn(async move {
-            tokio::time::sleep(grace).await;
-            raft.runtime_config().elect(true);
-        });
+        tokio::spawn(elections(rep.clone(), raft.clone(), grace));
     }
     tokio::spawn(net::serve_as(
         listener,
         raft.clone(),
         rep.cluster_id.clone(),
         rep.me,
-        Some(rep.node_info()),
         shared.config.data_dir.join("raft-snapshot"),
-        rep.heard.clone(),
+        net::Local {
+            info: Some(rep.node_info()),
+            heard: rep.heard.clone(),
+            log: Some(log.clone()),
+        },
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
     if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
@@ -473,6 +474,100 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     tokio::spawn(flush_deferred(shared.clone(), rep.clone()));
     tokio::spawn(watch_leadership(shared, rep, raft, learned));
     Ok(())
+}
+
+/// Let openraft campaign (its election timer) only while a majority of the voters would vote
+/// for this node (`net::PreVote`), asked every heartbeat while this node has heard from no
+/// leader for the shortest election timeout; never before `grace` has passed since the start.
+/// A node that comes back from a pause or a partition, or restarts, while the others follow a
+/// leader, gets no pre-vote and does not campaign, so its higher term does not depose that
+/// leader. In a joint membership, a majority of each configuration.
+async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration) {
+    tokio::time::sleep(grace).await;
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(rep.heartbeat_ms.max(5)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut enabled = false;
+    loop {
+        tick.tick().await;
+        if raft.metrics().has_changed().is_err() {
+            // Raft has shut down.
+            return;
+        }
+        let (leading, configs, nodes) = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            let membership = m.membership_config.membership();
+            (
+                m.state == openraft::ServerState::Leader,
+                membership.get_joint_config().clone(),
+                membership
+                    .nodes()
+                    .map(|(id, n)| (*id, n.raft.clone()))
+                    .collect::<BTreeMap<NodeId, String>>(),
+            )
+        };
+        let voter = configs.iter().any(|c| c.contains(&rep.me));
+        let last_log_id = match rep.log.get().map(log_store::LogStore::last_log_id) {
+            Some(Ok(last)) => Some(last),
+            Some(Err(e)) => {
+                warn!(error = %e, "the Raft log's last entry cannot be read: no campaign");
+                None
+            }
+            None => None,
+        };
+        let allow = if leading || !voter || rep.heard.lately() {
+            false
+        } else if let Some(last_log_id) = last_log_id {
+            let p = net::PreVote {
+                candidate: rep.me,
+                last_log_id,
+            };
+            let asks = nodes
+                .iter()
+                .filter(|(id, _)| **id != rep.me && configs.iter().any(|c| c.contains(id)))
+                .map(|(id, addr)| {
+                    let p = p.clone();
+                    let cluster = rep.cluster_id.clone();
+                    let me = rep.me;
+                    let wait = rep.heard.quiet;
+                    async move {
+                        let r =
+                            tokio::time::timeout(wait, net::prevote(addr, &cluster, me, *id, &p))
+                                .await;
+                        (*id, matches!(r, Ok(Ok(true))))
+                    }
+                });
+            let granted: std::collections::BTreeSet<NodeId> = futures::future::join_all(asks)
+                .await
+                .into_iter()
+                .filter_map(|(id, yes)| yes.then_some(id))
+                .chain(std::iter::once(rep.me))
+                .collect();
+            configs.iter().all(|c| {
+                let yes = c.iter().filter(|id| granted.contains(id)).count();
+                yes * 2 > c.len()
+            })
+        } else {
+            false
+        };
+        if allow != enabled {
+            if !leading {
+                info!(
+                    node_id = rep.me,
+                    "{}",
+                    if allow {
+                        "no leader heard from, and a majority would vote for this node: it \
+                         may campaign"
+                    } else {
+                        "this node does not campaign: a leader is heard from, or no majority \
+                         would vote for it"
+                    }
+                );
+            }
+            raft.runtime_config().elect(allow);
+            enabled = allow;
+        }
+    }
 }
 
 /// The default Raft heartbeat interval (`--raft-heartbeat-ms`), in ms.

@@ -42,7 +42,7 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec, LengthDelimitedCodecError}
 use tracing::{debug, warn};
 
 use super::types::{
-    NodeId, NodeInfo, Raft, Received, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote,
+    LogId, NodeId, NodeInfo, Raft, Received, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote,
 };
 
 /// The first four bytes of every `Hello`.
@@ -175,6 +175,24 @@ enum Request {
     },
     SnapshotChunk(Bytes),
     SnapshotEnd,
+    /// Would you vote for me, were I to campaign now? (`PreVote`; answered `PreVoted`.)
+    PreVote(PreVote),
+}
+
+/// A pre-vote (the Raft thesis, section 9.6), asked before a node may campaign (see
+/// `cluster::elections`): openraft 0.9 has none, and a node that had been cut off or paused
+/// (SIGSTOP, a stalled VM) came back with a higher term and deposed a leader that a majority
+/// followed all along, closing every client connection (seen: one follower stopped for 6 s
+/// and continued, under load). A node grants it only when it has not heard from a leader for
+/// `Heard::quiet` itself (a leader: when no majority acknowledged it for as long), and the
+/// candidate's log is at least as up to date as its own (the last entry's term, then index:
+/// the vote's own rule, or a node with a longer log of an older term would gather pre-votes
+/// for a campaign no one votes for, while refusing the others theirs). It decides nothing:
+/// the vote that follows is openraft's, with all its checks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PreVote {
+    pub candidate: NodeId,
+    pub last_log_id: Option<LogId>,
 }
 
 /// What a server answers.
@@ -202,6 +220,9 @@ enum Response {
     /// `RaftError<NodeId>`, whose only possible case is `Fatal`, and `install_full_snapshot`
     /// with a `Fatal`: the `Fatal` is what travels.
     RaftError(Fatal<NodeId>),
+    PreVoted {
+        granted: bool,
+    },
 }
 
 impl Response {
@@ -213,6 +234,7 @@ impl Response {
             Response::Vote(_) => "Vote",
             Response::Snapshot(_) => "Snapshot",
             Response::RaftError(_) => "RaftError",
+            Response::PreVoted { .. } => "PreVoted",
         }
     }
 }
@@ -261,16 +283,7 @@ pub async fn serve(
     me: NodeId,
     snapshots: std::path::PathBuf,
 ) {
-    serve_as(
-        listener,
-        raft,
-        cluster,
-        me,
-        None,
-        snapshots,
-        Default::default(),
-    )
-    .await
+    serve_as(listener, raft, cluster, me, snapshots, Local::default()).await
 }
 
 /// When this node last accepted an AppendEntries (a leader's heartbeat or entries): a
@@ -280,18 +293,31 @@ pub struct Heard {
     epoch: Instant,
     /// Ms since `epoch` at the last accepted AppendEntries, plus one (0: never).
     at: std::sync::atomic::AtomicU64,
+    /// How long a leader heard from counts as alive, for pre-votes (`PreVote`): the shortest
+    /// election timeout.
+    pub quiet: Duration,
 }
 
 impl Default for Heard {
     fn default() -> Self {
-        Heard {
-            epoch: Instant::now(),
-            at: Default::default(),
-        }
+        Heard::new(Duration::from_millis(150))
     }
 }
 
 impl Heard {
+    pub fn new(quiet: Duration) -> Self {
+        Heard {
+            epoch: Instant::now(),
+            at: Default::default(),
+            quiet,
+        }
+    }
+
+    /// Whether an AppendEntries was accepted within `quiet`.
+    pub fn lately(&self) -> bool {
+        self.since().is_some_and(|d| d < self.quiet)
+    }
+
     fn mark(&self) {
         let ms = self.epoch.elapsed().as_millis() as u64 + 1;
         self.at.fetch_max(ms, std::sync::atomic::Ordering::AcqRel);
@@ -310,19 +336,18 @@ impl Heard {
     }
 }
 
-/// [`serve`], answering each handshake with this node's addresses `info`, and marking in
-/// `heard` each AppendEntries accepted.
+/// [`serve`], answering each handshake with this node's addresses (`Local::info`), marking in
+/// `Local::heard` each AppendEntries accepted, and answering pre-votes from what it knows.
 pub async fn serve_as(
     listener: TcpListener,
     raft: Raft,
     cluster: String,
     me: NodeId,
-    info: Option<NodeInfo>,
     snapshots: std::path::PathBuf,
-    heard: Arc<Heard>,
+    local: Local,
 ) {
     let cluster: Arc<str> = cluster.into();
-    let info = Arc::new((info, heard));
+    let info = Arc::new(local);
     let snapshots = Arc::new(snapshots);
     let mut conns = tokio::task::JoinSet::new();
     loop {
@@ -377,10 +402,10 @@ async fn serve_conn(
     raft: Raft,
     cluster: Arc<str>,
     me: NodeId,
-    info: Arc<(Option<NodeInfo>, Arc<Heard>)>,
+    info: Arc<Local>,
     snapshots: Arc<std::path::PathBuf>,
 ) {
-    let heard = &info.1;
+    let heard = &info.heard;
     if let Err(e) = stream.set_nodelay(true) {
         debug!("raft: set_nodelay on the connection from {peer}: {e}");
     }
@@ -428,7 +453,7 @@ async fn serve_conn(
         )
     };
     let ok = match encode(&Response::HelloOk {
-        info: info.0.clone(),
+        info: info.info.clone(),
         known,
         initialized,
     }) {
@@ -513,6 +538,9 @@ async fn serve_conn(
                     Err(fatal) => Response::RaftError(fatal),
                 }
             }
+            Request::PreVote(p) => Response::PreVoted {
+                granted: grants_prevote(&raft, &info, &p),
+            },
             Request::SnapshotChunk(_) | Request::SnapshotEnd => {
                 warn!(%peer, "raft: dropped the connection of node {from} at {peer}: a snapshot chunk outside a snapshot");
                 return;
@@ -738,6 +766,70 @@ async fn send_frame(conn: &mut Conn, frame: &[u8]) -> io::Result<()> {
     let stream = conn.get_mut();
     stream.write_all(frame).await?;
     stream.flush().await
+}
+
+/// What a server knows of its own node: its addresses (None: answers no `info`), when it last
+/// heard from a leader, and its log (None: pre-votes compare no log).
+#[derive(Default)]
+pub struct Local {
+    pub info: Option<NodeInfo>,
+    pub heard: Arc<Heard>,
+    pub log: Option<super::log_store::LogStore>,
+}
+
+/// Whether this node would vote for the candidate of `p` (see `PreVote`).
+fn grants_prevote(raft: &Raft, local: &Local, p: &PreVote) -> bool {
+    let heard = &local.heard;
+    let (leading, acked_ms) = {
+        let m = raft.metrics();
+        let m = m.borrow();
+        (
+            m.state == openraft::ServerState::Leader,
+            m.millis_since_quorum_ack,
+        )
+    };
+    let last = match local
+        .log
+        .as_ref()
+        .map(super::log_store::LogStore::last_log_id)
+    {
+        Some(Ok(last)) => last,
+        None => None,
+        Some(Err(e)) => {
+            warn!("raft: a pre-vote refused: the log's last entry cannot be read ({e})");
+            return false;
+        }
+    };
+    let quiet = u64::try_from(heard.quiet.as_millis()).unwrap_or(u64::MAX);
+    // A leader that a majority acknowledged lately, or a follower that heard one, knows of a
+    // leader alive: no pre-vote from it.
+    let leader_alive = heard.lately() || (leading && acked_ms.is_some_and(|ms| ms < quiet));
+    let granted = !leader_alive && p.last_log_id >= last;
+    debug!(
+        candidate = p.candidate,
+        granted, leading, "raft: pre-vote asked"
+    );
+    granted
+}
+
+/// Ask node `to` at `addr` for a pre-vote (`PreVote`) as node `me`, on a connection of its own
+/// (an election is rare; the RPC connections stay with openraft's calls). Err: no answer.
+pub async fn prevote(
+    addr: &str,
+    cluster: &str,
+    me: NodeId,
+    to: NodeId,
+    p: &PreVote,
+) -> Result<bool, String> {
+    let (mut conn, _, _, _) = connect(addr, &Hello::new(cluster, me, to))
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let frame = encode_request(&Request::PreVote(p.clone())).map_err(|e| format!("{e:?}"))?;
+    match exchange(&mut conn, &frame, to).await {
+        Ok(Response::PreVoted { granted }) => Ok(granted),
+        Ok(other) => Err(format!("answered {}", other.name())),
+        Err(e) => Err(format!("{e:?}")),
+    }
 }
 
 /// Say hello to node `to` at `addr` as node `me` and hang up: what that node's membership

@@ -1282,3 +1282,43 @@ async fn a_follower_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
     }
     assert_eq!(got, sent);
 }
+
+/// A follower frozen (SIGSTOP) past the election timeout and then continued, while the other
+/// follower goes on acknowledging the leader, does not depose it: it asks for a pre-vote, which
+/// no one grants (the leader has its majority, the other follower hears from it), so it does
+/// not campaign. Without the pre-vote it woke up with its election timer long expired,
+/// campaigned with a higher term, and the leader stepped down and closed every client
+/// connection. Confirms go on through each freeze on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
+    // 150 ms heartbeats (election timeout 450-900 ms): a loaded CI machine's fsync stays
+    // within them (see `three_nodes_replicate_and_a_killed_leader_loses_no_confirmed_message`).
+    let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "150"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let term = |c: &Cluster| {
+        let s = c.nodes[leader].status().expect("the leader's status");
+        (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
+    };
+    let before = term(&c);
+    assert_eq!(before.0.as_deref(), Some("leader"));
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "steady").await;
+    let follower = (leader + 1) % 3;
+    for round in 0..3u32 {
+        c.nodes[follower].pause();
+        publish_confirmed(&conn, "steady", round * 100, 100).await;
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        c.nodes[follower].resume();
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        assert_eq!(
+            term(&c),
+            before,
+            "round {round}: the leader's role and term changed after follower {} came back",
+            c.nodes[follower].id
+        );
+    }
+    // The same connection still confirms (the leader never closed it), and the follower that
+    // was frozen has caught up.
+    publish_confirmed(&conn, "steady", 300, 100).await;
+    replicated(&c, "steady", 400, Duration::from_secs(20)).await;
+}
