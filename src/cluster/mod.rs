@@ -415,11 +415,9 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         .await
         .context("starting Raft")?;
     let _ = rep.raft.set(raft.clone());
-    // A node that starts gives the leader time to reach it before it campaigns: the leader
-    // retries an unreachable peer only after a backoff, and a restarted node that campaigned
-    // first would, with its higher term, depose a leader that the others follow (openraft
-    // 0.9 has no pre-vote). A cluster starting together elects after this, a leader restored
-    // by openraft leads at once.
+    // A node that starts gives the leader time to reach it before it asks for pre-votes
+    // (`elections`; the leader retries an unreachable peer only after a backoff). A cluster
+    // starting together elects after this, a leader restored by openraft leads at once.
     {
         let grace = std::time::Duration::from_millis(2 * lease_ms(cfg.heartbeat_ms));
         tokio::spawn(elections(rep.clone(), raft.clone(), grace));
