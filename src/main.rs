@@ -174,13 +174,18 @@ struct ServerArgs {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     warren::memory::set_meter(allocated);
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            EnvFilter::try_from_env("WARREN_LOG").unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    {
+        use tracing_subscriber::prelude::*;
+        tracing_subscriber::registry()
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                    .with_writer(std::io::stderr),
+            )
+            .with(EnvFilter::try_from_env("WARREN_LOG").unwrap_or_else(|_| EnvFilter::new("info")))
+            .with(quiet_rpc_errors())
+            .init();
+    }
     if let Some(Command::Ctl(a)) = cli.command {
         return warren::ctl::run(a);
     }
@@ -194,6 +199,21 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Ctl(_)) => Ok(()),
         None => runtime.block_on(serve(cli.server)),
     }
+}
+
+/// Leaves out openraft's ERROR for each failed RPC of a replication stream (the event at
+/// `openraft::replication` with an `err` field): while a peer is down it comes every 100 ms or
+/// so, for as long as the peer stays down, and a PayloadTooLarge (an expected retry with fewer
+/// entries) is logged the same way. Warren's transport says instead, once, when a peer stops
+/// answering and when it answers again (`cluster::net::Network::outage`). openraft's other
+/// errors (storage, snapshots) stay.
+fn quiet_rpc_errors() -> tracing_subscriber::filter::FilterFn {
+    tracing_subscriber::filter::filter_fn(|m| {
+        !(m.is_event()
+            && *m.level() == tracing::Level::ERROR
+            && m.target() == "openraft::replication"
+            && m.fields().field("err").is_some())
+    })
 }
 
 async fn serve(args: ServerArgs) -> anyhow::Result<()> {

@@ -39,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{timeout, timeout_at, Instant};
 use tokio_util::codec::{Framed, LengthDelimitedCodec, LengthDelimitedCodecError};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::types::{
     LogId, NodeId, NodeInfo, Raft, Received, Snapshot, SnapshotData, SnapshotMeta, TypeConfig, Vote,
@@ -665,6 +665,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             conn: None,
             learned: self.learned.clone(),
             scratch: Vec::new(),
+            failing: None,
         }
     }
 }
@@ -684,6 +685,11 @@ pub struct Network {
     learned: Learned,
     /// The buffer AppendEntries are encoded into (`encode_request_in`), kept between calls.
     scratch: Vec<u8>,
+    /// Since when AppendEntries to the target fail (None: the last one was answered). openraft
+    /// logs an ERROR for each failed call, retried every 100 ms at most while a peer is down
+    /// (ten lines a second, for as long as it stays down): those are filtered out (see
+    /// `quiet_rpc_errors`) and this node says it here once per outage instead.
+    failing: Option<Instant>,
 }
 
 /// Why an exchange failed, before it is told in the error type of the RPC at hand.
@@ -994,6 +1000,33 @@ impl Network {
         }
     }
 
+    /// Say when AppendEntries to the target start failing (once per outage, with the first
+    /// error) and when it answers again.
+    fn outage(&mut self, error: Option<&RPCError<NodeId, NodeInfo, RaftError<NodeId>>>) {
+        match (error, self.failing) {
+            (Some(e), None) => {
+                warn!(
+                    target = self.target,
+                    addr = %self.node.raft,
+                    "raft: node {} does not answer ({e}); retrying, said again once it answers",
+                    self.target
+                );
+                self.failing = Some(Instant::now());
+            }
+            (Some(e), Some(_)) => debug!(target = self.target, "raft: AppendEntries: {e}"),
+            (None, Some(since)) => {
+                info!(
+                    target = self.target,
+                    "raft: node {} answers again, after {:.1} s",
+                    self.target,
+                    since.elapsed().as_secs_f64()
+                );
+                self.failing = None;
+            }
+            (None, None) => {}
+        }
+    }
+
     fn streaming_error(&self, e: CallError) -> StreamingError<TypeConfig, Fatal<NodeId>> {
         match e {
             CallError::Unreachable(e) => StreamingError::Unreachable(Unreachable::from(e)),
@@ -1059,14 +1092,16 @@ impl RaftNetwork<TypeConfig> for Network {
         if frame.capacity() <= 2 * APPEND_BYTES {
             self.scratch = frame;
         }
-        match response {
+        let result = match response {
             Ok(Response::AppendEntries(resp)) => Ok(resp),
             Ok(other) => {
                 let e = self.unexpected(other);
                 Err(self.rpc_error(e, RPCTypes::AppendEntries))
             }
             Err(e) => Err(self.rpc_error(e, RPCTypes::AppendEntries)),
-        }
+        };
+        self.outage(result.as_ref().err());
+        result
     }
 
     async fn vote(

@@ -905,10 +905,13 @@ async fn a_raft_peer_sending_garbage_is_refused_and_the_node_goes_on() {
 
 /// A follower killed with SIGKILL while 500 are confirmed without it, then restarted, catches
 /// up: its applied index reaches the leader's and it holds the 500; the cluster keeps its
-/// leader and serves through the restarted node.
+/// leader and serves through the restarted node. The leader says once that the follower does
+/// not answer and once that it answers again, and none of openraft's ERROR per failed call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_killed_and_restarted_catches_up() {
-    let mut c = Cluster::start_logged(3);
+    let mut c = Cluster::start_in_env(tempfile::tempdir().unwrap(), 3, &[], true, &|_| {
+        vec![("WARREN_LOG".into(), "info".into())]
+    });
     let leader = c.leader(Duration::from_secs(20)).await;
     let f = (leader + 1) % 3;
     let conn = connect(&c.nodes[leader].url()).await;
@@ -961,6 +964,18 @@ async fn a_follower_killed_and_restarted_catches_up() {
     let got = drain(&conn, "catchup").await;
     let want: Vec<String> = (0..510).map(|i| i.to_string()).collect();
     assert_eq!(got, want);
+
+    let id = c.nodes[f].id;
+    let log = c.nodes[leader].log_text();
+    let down = format!("raft: node {id} does not answer");
+    let up = format!("raft: node {id} answers again");
+    assert_eq!(
+        log.lines().filter(|l| l.contains(&down)).count(),
+        1,
+        "the leader's log:\n{log}"
+    );
+    assert!(log.contains(&up), "the leader's log:\n{log}");
+    assert!(!log.contains("RPCError"), "the leader's log:\n{log}");
 }
 
 /// Issue 15: the leader delivers a message only once its entry is committed (a consumer
