@@ -632,7 +632,12 @@ pub struct NetworkFactory {
     cluster: String,
     me: NodeId,
     learned: Learned,
+    outages: Outages,
 }
+
+/// Since when each peer does not answer AppendEntries (see `Network::outage`), shared by
+/// every client openraft makes for it (it makes a new one for each replication session).
+type Outages = Arc<parking_lot::Mutex<std::collections::BTreeMap<NodeId, Instant>>>;
 
 /// The addresses peers gave in their handshake answers, by node id.
 pub type Learned = Arc<parking_lot::Mutex<std::collections::BTreeMap<NodeId, NodeInfo>>>;
@@ -643,6 +648,7 @@ impl NetworkFactory {
             cluster: cluster.into(),
             me,
             learned: Default::default(),
+            outages: Default::default(),
         }
     }
 
@@ -665,7 +671,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             conn: None,
             learned: self.learned.clone(),
             scratch: Vec::new(),
-            failing: None,
+            outages: self.outages.clone(),
         }
     }
 }
@@ -685,11 +691,11 @@ pub struct Network {
     learned: Learned,
     /// The buffer AppendEntries are encoded into (`encode_request_in`), kept between calls.
     scratch: Vec<u8>,
-    /// Since when AppendEntries to the target fail (None: the last one was answered). openraft
-    /// logs an ERROR for each failed call, retried every 100 ms at most while a peer is down
-    /// (ten lines a second, for as long as it stays down): those are filtered out (see
-    /// `quiet_rpc_errors`) and this node says it here once per outage instead.
-    failing: Option<Instant>,
+    /// Since when AppendEntries to each peer fail (absent: the last one was answered).
+    /// openraft logs an ERROR for each failed call, retried every 100 ms at most while a peer
+    /// is down (ten lines a second, for as long as it stays down): those are filtered out
+    /// (main.rs, `quiet_rpc_errors`) and this node says it here once per outage instead.
+    outages: Outages,
 }
 
 /// Why an exchange failed, before it is told in the error type of the RPC at hand.
@@ -1002,8 +1008,9 @@ impl Network {
 
     /// Say when AppendEntries to the target start failing (once per outage, with the first
     /// error) and when it answers again.
-    fn outage(&mut self, error: Option<&RPCError<NodeId, NodeInfo, RaftError<NodeId>>>) {
-        match (error, self.failing) {
+    fn outage(&self, error: Option<&RPCError<NodeId, NodeInfo, RaftError<NodeId>>>) {
+        let mut outages = self.outages.lock();
+        match (error, outages.get(&self.target).copied()) {
             (Some(e), None) => {
                 warn!(
                     target = self.target,
@@ -1011,7 +1018,7 @@ impl Network {
                     "raft: node {} does not answer ({e}); retrying, said again once it answers",
                     self.target
                 );
-                self.failing = Some(Instant::now());
+                outages.insert(self.target, Instant::now());
             }
             (Some(e), Some(_)) => debug!(target = self.target, "raft: AppendEntries: {e}"),
             (None, Some(since)) => {
@@ -1021,7 +1028,7 @@ impl Network {
                     self.target,
                     since.elapsed().as_secs_f64()
                 );
-                self.failing = None;
+                outages.remove(&self.target);
             }
             (None, None) => {}
         }
