@@ -1252,10 +1252,28 @@ mod tests {
         vote: Option<Vote>,
         committed: Option<LogId>,
         purged: Option<LogId>,
+        /// While set, appends are not reported flushed: their callbacks wait here (a disk
+        /// whose fsync stalls).
+        held: Option<Vec<LogFlushed<TypeConfig>>>,
     }
 
     #[derive(Clone, Default)]
     struct MemLog(Arc<Mutex<LogInner>>);
+
+    impl MemLog {
+        /// From now on, appends stay unflushed until `release_flushes`.
+        fn hold_flushes(&self) {
+            self.0.lock().held.get_or_insert_with(Vec::new);
+        }
+
+        /// Report every held append flushed, and flush the next ones at once again.
+        fn release_flushes(&self) {
+            let held = self.0.lock().held.take().unwrap_or_default();
+            for callback in held {
+                callback.log_io_completed(Ok(()));
+            }
+        }
+    }
 
     impl RaftLogReader<TypeConfig> for MemLog {
         async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
@@ -1319,6 +1337,10 @@ mod tests {
                 let mut inner = self.0.lock();
                 for entry in entries {
                     inner.log.insert(entry.log_id.index, entry);
+                }
+                if let Some(held) = inner.held.as_mut() {
+                    held.push(callback);
+                    return Ok(());
                 }
             }
             callback.log_io_completed(Ok(()));
@@ -1465,6 +1487,7 @@ mod tests {
         id: NodeId,
         raft: Raft,
         node: NodeInfo,
+        log: MemLog,
         sm: MemSm,
         server: tokio::task::JoinHandle<()>,
     }
@@ -1497,8 +1520,9 @@ mod tests {
             ..Default::default()
         };
         let sm = MemSm::default();
+        let log = MemLog::default();
         let network = NetworkFactory::new(cluster, id);
-        let raft = Raft::new(id, config(), network, MemLog::default(), sm.clone())
+        let raft = Raft::new(id, config(), network, log.clone(), sm.clone())
             .await
             .unwrap();
         let server = tokio::spawn(serve(
@@ -1512,6 +1536,7 @@ mod tests {
             id,
             raft,
             node,
+            log,
             sm,
             server,
         }
@@ -1577,6 +1602,53 @@ mod tests {
                 .unwrap();
             assert_eq!(n.sm.tickets(), vec![42], "node {}", n.id);
         }
+    }
+
+    /// The leader hands an entry to its followers without waiting for its own log's flush
+    /// (vendor/openraft/WARREN.md), so a leader whose disk stalls still commits on a majority
+    /// of the others, and counts itself again once its flush is done. openraft 0.9 as
+    /// published waits for the flush before replicating: this write never commits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leader_replicates_before_its_own_flush() {
+        let nodes = start_cluster("t-flush").await;
+        let leader = wait_leader(&nodes).await;
+        let raft = nodes[leader].raft.clone();
+        timeout(WAIT, raft.client_write(batch(1)))
+            .await
+            .unwrap()
+            .unwrap();
+        nodes[leader].log.hold_flushes();
+        let written = timeout(WAIT, raft.client_write(batch(2)))
+            .await
+            .expect("committed by the followers while the leader's flush is held")
+            .unwrap();
+        for n in &nodes {
+            n.raft
+                .wait(Some(WAIT))
+                .applied_index_at_least(Some(written.log_id.index), "the write applied")
+                .await
+                .unwrap();
+            assert_eq!(n.sm.tickets(), vec![1, 2], "node {}", n.id);
+        }
+        // Its own log does not count while unflushed: with one follower gone as well, nothing
+        // commits until the flush is done.
+        let follower = (0..nodes.len()).find(|&i| i != leader).unwrap();
+        nodes[follower].raft.shutdown().await.unwrap();
+        let pending = tokio::spawn({
+            let raft = raft.clone();
+            async move { raft.client_write(batch(3)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            !pending.is_finished(),
+            "committed on one follower and an unflushed leader"
+        );
+        nodes[leader].log.release_flushes();
+        timeout(WAIT, pending)
+            .await
+            .expect("committed once the leader's flush is done")
+            .unwrap()
+            .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
