@@ -1197,6 +1197,30 @@ async fn a_wall_clock_jump_on_the_leader_is_logged_and_loses_nothing() {
 /// Unmounts its folder when dropped.
 struct TmpfsMount(std::path::PathBuf);
 
+/// A cluster folder whose node 3 (`n3`) lives on a 64 MB tmpfs: the folder, node 3's path and
+/// the mount (unmounted when dropped). Needs root, as the test command runs; None (the test
+/// skips) when WARREN_SKIP_MOUNT_TESTS is set.
+fn node3_on_a_small_disk() -> Option<(tempfile::TempDir, std::path::PathBuf, TmpfsMount)> {
+    if std::env::var_os("WARREN_SKIP_MOUNT_TESTS").is_some() {
+        eprintln!("skipped: WARREN_SKIP_MOUNT_TESTS is set");
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let small = dir.path().join("n3");
+    std::fs::create_dir_all(&small).unwrap();
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
+        .arg(&small)
+        .status()
+        .expect("run mount");
+    assert!(
+        status.success(),
+        "mounting a tmpfs needs root (set WARREN_SKIP_MOUNT_TESTS=1 to skip this test)"
+    );
+    let mount = TmpfsMount(small.clone());
+    Some((dir, small, mount))
+}
+
 impl Drop for TmpfsMount {
     fn drop(&mut self) {
         let _ = std::process::Command::new("umount")
@@ -1226,23 +1250,9 @@ fn incompressible(id: u32) -> Vec<u8> {
 /// confirmed message is on every node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
-    if std::env::var_os("WARREN_SKIP_MOUNT_TESTS").is_some() {
-        eprintln!("skipped: WARREN_SKIP_MOUNT_TESTS is set");
+    let Some((dir, small, _mount)) = node3_on_a_small_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let small = dir.path().join("n3");
-    std::fs::create_dir_all(&small).unwrap();
-    let status = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
-        .arg(&small)
-        .status()
-        .expect("run mount");
-    assert!(
-        status.success(),
-        "mounting a tmpfs needs root (set WARREN_SKIP_MOUNT_TESTS=1 to skip this test)"
-    );
-    let _mount = TmpfsMount(small.clone());
+    };
     // Heartbeats of 150 ms, as in the snapshot test: AppendEntries of large messages fsynced on
     // a loaded machine sometimes outlast 50 ms, and a leader change is not this test's subject.
     let mut c = Cluster::start_in(dir, 3, &["--raft-heartbeat-ms", "150"], true);
@@ -1350,23 +1360,9 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
 /// restarted, follows and catches up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
-    if std::env::var_os("WARREN_SKIP_MOUNT_TESTS").is_some() {
-        eprintln!("skipped: WARREN_SKIP_MOUNT_TESTS is set");
+    let Some((dir, small, _mount)) = node3_on_a_small_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let small = dir.path().join("n3");
-    std::fs::create_dir_all(&small).unwrap();
-    let status = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=64m", "tmpfs"])
-        .arg(&small)
-        .status()
-        .expect("run mount");
-    assert!(
-        status.success(),
-        "mounting a tmpfs needs root (set WARREN_SKIP_MOUNT_TESTS=1 to skip this test)"
-    );
-    let _mount = TmpfsMount(small.clone());
+    };
     // No disk alarm (it would block the publishers on the small disk well before it fills).
     let extra = ["--raft-heartbeat-ms", "150", "--disk-free-limit", "0"];
     let mut c = Cluster::start_in(dir, 3, &extra, true);
