@@ -90,7 +90,14 @@ pub fn status(rep: &Replication) -> Option<ClusterStatus> {
         node_id: rep.me,
         role: role.into(),
         term: m.current_term,
-        leader_id: m.current_leader,
+        // A node whose Raft stopped (its store failed) keeps the leader it last knew in its
+        // metrics, itself included: it knows none now, and naming one would send clients and
+        // scripts to a node it cannot vouch for.
+        leader_id: if m.state == openraft::ServerState::Shutdown {
+            None
+        } else {
+            m.current_leader
+        },
         serving: rep.is_leader(),
         commit_index: rep.log.get().and_then(|l| l.committed_index()),
         applied_index: m.last_applied.map(|l| l.index),

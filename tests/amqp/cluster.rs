@@ -382,6 +382,8 @@ impl Cluster {
                 .enumerate()
                 .filter(|(_, n)| n.answers())
                 .filter_map(|(i, n)| n.status().map(|s| (i, s)))
+                // A node whose Raft stopped (a failed disk) takes no part: it follows no one.
+                .filter(|(_, s)| s["role"] != "stopped")
                 .collect();
             let serving: Vec<usize> = live
                 .iter()

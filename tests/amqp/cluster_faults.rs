@@ -1440,6 +1440,16 @@ async fn a_leader_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
         assert!(Instant::now() < deadline, "node 3 still leads");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    // Node 3, when its Raft stopped on the failed write (which races with its hearing of the
+    // election), names no leader: not itself, as its last metrics did.
+    for n in c.nodes.iter().filter(|n| n.id == 3) {
+        if let Some(s) = n.status().filter(|s| s["role"] == "stopped") {
+            assert!(
+                s["leader_id"].is_null(),
+                "a stopped node names a leader: {s}"
+            );
+        }
+    }
     let conn = connect(&c.nodes[new].url()).await;
     let get = conn.create_channel().await.unwrap();
     let mut held = BTreeSet::new();
