@@ -541,13 +541,19 @@ async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration
                 .filter_map(|(id, yes)| yes.then_some(id))
                 .chain(std::iter::once(rep.me))
                 .collect();
-            configs.iter().all(|c| {
-                let yes = c.iter().filter(|id| granted.contains(id)).count();
-                yes * 2 > c.len()
-            })
+            // A leader heard from while the pre-votes were out (its AppendEntries withdrew the
+            // permission already, `net::serve_conn`): no campaign on these stale grants.
+            !rep.heard.lately()
+                && configs.iter().all(|c| {
+                    let yes = c.iter().filter(|id| granted.contains(id)).count();
+                    yes * 2 > c.len()
+                })
         } else {
             false
         };
+        // Set every time, not only on a change: an AppendEntries from a leader withdraws the
+        // permission at once, behind this loop's back (`net::serve_conn`).
+        raft.runtime_config().elect(allow);
         if allow != enabled {
             if !leading {
                 info!(
@@ -562,7 +568,6 @@ async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration
                     }
                 );
             }
-            raft.runtime_config().elect(allow);
             enabled = allow;
         }
     }

@@ -512,6 +512,11 @@ async fn serve_conn(
                         AppendEntriesResponse::Success | AppendEntriesResponse::PartialSuccess(_)
                     ) {
                         heard.mark();
+                        // A leader is heard: openraft may not campaign from now on, not only
+                        // from the next check of `elections` (a heartbeat later). A node frozen
+                        // (SIGSTOP, a paused VM) in between woke up allowed to, campaigned at
+                        // once with a higher term, and deposed the leader.
+                        raft.runtime_config().elect(false);
                     }
                     Response::AppendEntries(resp)
                 }

@@ -1371,6 +1371,47 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
     replicated(&c, "steady", 400, Duration::from_secs(20)).await;
 }
 
+/// The same, for a follower frozen right after an election: a node lets openraft campaign
+/// while it hears no leader (both followers of a leader that froze do), and that permission
+/// went only at its next check (every heartbeat), so a node frozen in between woke up with it,
+/// campaigned with a higher term the moment it was continued (no pre-vote asked), and its
+/// answers to the leader's AppendEntries deposed the leader (CI: term 2 -> 4). Now an
+/// AppendEntries from a leader withdraws it at once. 500 ms heartbeats make that window (up
+/// to a check interval) wide enough for this test to freeze the follower in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leader() {
+    let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "500"]);
+    let first = c.leader(Duration::from_secs(30)).await;
+    c.nodes[first].pause();
+    let leader = c.leader(Duration::from_secs(30)).await;
+    let follower = (0..3)
+        .find(|i| *i != first && *i != leader)
+        .expect("a third node");
+    c.nodes[follower].pause();
+    c.nodes[first].resume();
+    let term = |c: &Cluster| {
+        let s = c.nodes[leader].status().expect("the leader's status");
+        (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
+    };
+    let before = term(&c);
+    assert_eq!(before.0.as_deref(), Some("leader"));
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "early").await;
+    publish_confirmed(&conn, "early", 0, 20).await;
+    // Past the frozen follower's election timeout (3-6 heartbeats).
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    c.nodes[follower].resume();
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    assert_eq!(
+        term(&c),
+        before,
+        "the leader's role and term changed after follower {} came back",
+        c.nodes[follower].id
+    );
+    publish_confirmed(&conn, "early", 20, 20).await;
+    replicated(&c, "early", 40, Duration::from_secs(20)).await;
+}
+
 /// Issue 15 point 10, the leader's side: a leader whose disk fills (its data folder on a small
 /// tmpfs, the disk alarm off; needs root, as the test command runs; WARREN_SKIP_MOUNT_TESTS=1
 /// skips it). Whichever write fails first (its state store's, as seen here, or its Raft log's,
