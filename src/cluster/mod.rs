@@ -516,6 +516,7 @@ async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration
         let allow = if leading || !voter || rep.heard.lately() {
             false
         } else if let Some(last_log_id) = last_log_id {
+            let asked = std::time::Instant::now();
             let p = net::PreVote {
                 candidate: rep.me,
                 last_log_id,
@@ -543,7 +544,12 @@ async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration
                 .collect();
             // A leader heard from while the pre-votes were out (its AppendEntries withdrew the
             // permission already, `net::serve_conn`): no campaign on these stale grants.
-            !rep.heard.lately()
+            // Nor on grants older than the round should take (each ask waits `quiet` at
+            // most): a node frozen (SIGSTOP, a paused VM) while its pre-votes were out woke up
+            // with grants from before a leader was elected, and campaigned against it.
+            let fresh = asked.elapsed() <= rep.heard.quiet + rep.heard.quiet / 2;
+            fresh
+                && !rep.heard.lately()
                 && configs.iter().all(|c| {
                     let yes = c.iter().filter(|id| granted.contains(id)).count();
                     yes * 2 > c.len()

@@ -512,10 +512,13 @@ async fn serve_conn(
                         AppendEntriesResponse::Success | AppendEntriesResponse::PartialSuccess(_)
                     ) {
                         heard.mark();
-                        // A leader is heard: openraft may not campaign from now on, not only
-                        // from the next check of `elections` (a heartbeat later). A node frozen
-                        // (SIGSTOP, a paused VM) in between woke up allowed to, campaigned at
-                        // once with a higher term, and deposed the leader.
+                    }
+                    if !matches!(resp, AppendEntriesResponse::HigherVote(_)) {
+                        // A leader is heard (even one whose entries do not fit the log yet):
+                        // openraft may not campaign from now on, not only from the next check
+                        // of `elections` (a heartbeat later). A node frozen (SIGSTOP, a paused
+                        // VM) in between woke up allowed to, campaigned at once with a higher
+                        // term, and deposed the leader.
                         raft.runtime_config().elect(false);
                     }
                     Response::AppendEntries(resp)
@@ -523,7 +526,13 @@ async fn serve_conn(
                 Err(e) => Response::RaftError(fatal_of(e)),
             },
             Request::Vote(rpc) => match raft.vote(rpc).await {
-                Ok(resp) => Response::Vote(resp),
+                Ok(resp) => {
+                    if resp.vote_granted {
+                        // Its vote is given: the same (a leader is about to be).
+                        raft.runtime_config().elect(false);
+                    }
+                    Response::Vote(resp)
+                }
                 Err(e) => Response::RaftError(fatal_of(e)),
             },
             Request::SnapshotBegin { vote, meta, size } => {

@@ -1371,13 +1371,15 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
     replicated(&c, "steady", 400, Duration::from_secs(20)).await;
 }
 
-/// The same, for a follower frozen right after an election: a node lets openraft campaign
-/// while it hears no leader (both followers of a leader that froze do), and that permission
-/// went only at its next check (every heartbeat), so a node frozen in between woke up with it,
-/// campaigned with a higher term the moment it was continued (no pre-vote asked), and its
-/// answers to the leader's AppendEntries deposed the leader (CI: term 2 -> 4). Now an
-/// AppendEntries from a leader withdraws it at once. 500 ms heartbeats make that window (up
-/// to a check interval) wide enough for this test to freeze the follower in it.
+/// The same, for a follower frozen right after an election. Both followers of a leader that
+/// froze ask for pre-votes, and a round waits for the frozen node's answer until it times out;
+/// the third node, frozen while its round was out, woke up to grants given before the new
+/// leader was elected, let openraft campaign (its election timer long past), and its higher
+/// term deposed the new leader (term +2, as CI once saw with 150 ms heartbeats; this test
+/// failed 3 runs of 3 so). Now a round that took longer than it can (a freeze) grants nothing,
+/// a round that ends after a leader was heard grants nothing, and an AppendEntries from a
+/// leader or a vote given withdraws the permission at once. The freeze outlasts openraft's
+/// leader lease and election timeout (6 and 3-6 heartbeats), or the node would not campaign.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leader() {
     let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "500"]);
@@ -1398,8 +1400,10 @@ async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leade
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "early").await;
     publish_confirmed(&conn, "early", 0, 20).await;
-    // Past the frozen follower's election timeout (3-6 heartbeats).
-    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    // Past the frozen follower's election timer: a follower of a leader campaigns no sooner
+    // than openraft's leader lease (6 heartbeats here) and its election timeout (3-6) after
+    // it last heard from it.
+    tokio::time::sleep(Duration::from_millis(7_000)).await;
     c.nodes[follower].resume();
     tokio::time::sleep(Duration::from_millis(3_000)).await;
     assert_eq!(
