@@ -70,6 +70,14 @@ fn term_and_leader(c: &Cluster) -> (u64, u64) {
     seen.pop_first().unwrap()
 }
 
+/// The role and term node `i` reports (it must answer).
+fn role_and_term(c: &Cluster, i: usize) -> (Option<String>, Option<u64>) {
+    let s = c.nodes[i]
+        .status()
+        .unwrap_or_else(|| panic!("node {} does not answer /api/cluster", c.nodes[i].id));
+    (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
+}
+
 /// Issue 15 point 7. The leader is frozen (SIGSTOP) with a publisher and a consumer on it,
 /// nothing in flight: the other two elect a leader that serves within 3 s; the frozen one,
 /// resumed, confirms and delivers nothing, closes its client connections and becomes a
@@ -1338,11 +1346,7 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
         },
     );
     let leader = c.leader(Duration::from_secs(20)).await;
-    let term = |c: &Cluster| {
-        let s = c.nodes[leader].status().expect("the leader's status");
-        (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
-    };
-    let before = term(&c);
+    let before = role_and_term(&c, leader);
     assert_eq!(before.0.as_deref(), Some("leader"));
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "steady").await;
@@ -1353,7 +1357,7 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
         tokio::time::sleep(Duration::from_millis(2_000)).await;
         c.nodes[follower].resume();
         tokio::time::sleep(Duration::from_millis(2_000)).await;
-        let now = term(&c);
+        let now = role_and_term(&c, leader);
         if now != before {
             for n in &c.nodes {
                 eprintln!("--- node {} log ---\n{}", n.id, n.log_text());
@@ -1391,11 +1395,7 @@ async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leade
         .expect("a third node");
     c.nodes[follower].pause();
     c.nodes[first].resume();
-    let term = |c: &Cluster| {
-        let s = c.nodes[leader].status().expect("the leader's status");
-        (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
-    };
-    let before = term(&c);
+    let before = role_and_term(&c, leader);
     assert_eq!(before.0.as_deref(), Some("leader"));
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "early").await;
@@ -1407,7 +1407,7 @@ async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leade
     c.nodes[follower].resume();
     tokio::time::sleep(Duration::from_millis(3_000)).await;
     assert_eq!(
-        term(&c),
+        role_and_term(&c, leader),
         before,
         "the leader's role and term changed after follower {} came back",
         c.nodes[follower].id
