@@ -558,8 +558,18 @@ async fn elections(rep: Arc<Replication>, raft: Raft, grace: std::time::Duration
             false
         };
         // Set every time, not only on a change: an AppendEntries from a leader withdraws the
-        // permission at once, behind this loop's back (`net::serve_conn`).
-        raft.runtime_config().elect(allow);
+        // permission at once, behind this loop's back (`net::serve_conn`). A permission lasts
+        // two heartbeats (openraft's election tick comes every one and a half; this loop
+        // renews it every one): a node frozen right after it was given (SIGSTOP, a paused VM)
+        // wakes up with it expired, rather than campaigning at once, on grants from before
+        // the freeze, against a leader elected meanwhile.
+        if allow {
+            raft.runtime_config().elect_until(
+                std::time::Instant::now() + std::time::Duration::from_millis(2 * rep.heartbeat_ms),
+            );
+        } else {
+            raft.runtime_config().elect(false);
+        }
         if allow != enabled {
             if !leading {
                 info!(

@@ -1416,6 +1416,85 @@ async fn a_follower_frozen_right_after_an_election_does_not_depose_the_new_leade
     replicated(&c, "early", 40, Duration::from_secs(20)).await;
 }
 
+/// The window the previous test leaves: a follower frozen right after its elections loop let
+/// openraft campaign ("it may campaign" in its log), before openraft's election tick (every one
+/// and a half heartbeats) used the permission. Woken up after its leader came back, its
+/// election timer long past, openraft campaigned at its first tick on that stale permission and
+/// the higher term deposed the leader. A permission now lasts two heartbeats
+/// (`elect_until` in vendor/openraft): expired at the wake-up, the node asks again and is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_frozen_right_after_it_may_campaign_does_not_depose_the_leader() {
+    let mut c = Cluster::start_in_env(
+        tempfile::tempdir().unwrap(),
+        3,
+        &["--raft-heartbeat-ms", "500"],
+        true,
+        &|_| vec![("WARREN_LOG".into(), "warn,warren::cluster=info".into())],
+    );
+    let permissions =
+        |c: &Cluster, i: usize| c.nodes[i].log_text().matches("it may campaign").count();
+    // Setting the scene can miss (the third node may campaign too, or a leader may be elected
+    // before the follower is frozen): then once more, from the leader there is then.
+    let mut attempt = 0;
+    let (leader, follower, before) = loop {
+        attempt += 1;
+        assert!(
+            attempt <= 5,
+            "the scene was never set in {} attempts",
+            attempt - 1
+        );
+        let leader = c.leader(Duration::from_secs(30)).await;
+        let follower = (leader + 1) % 3;
+        let given = permissions(&c, follower);
+        let before = role_and_term(&c, leader);
+        assert_eq!(before.0.as_deref(), Some("leader"));
+        c.nodes[leader].pause();
+        // Freeze the follower as soon as it may campaign: openraft's next election tick is
+        // up to 750 ms away.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while permissions(&c, follower) == given && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let allowed = permissions(&c, follower) > given;
+        if allowed {
+            c.nodes[follower].pause();
+        }
+        c.nodes[leader].resume();
+        if allowed
+            && c.leader(Duration::from_secs(30)).await == leader
+            && role_and_term(&c, leader) == before
+        {
+            break (leader, follower, before);
+        }
+        eprintln!("attempt {attempt}: the scene was not set (allowed: {allowed}); again");
+        if allowed {
+            c.nodes[follower].resume();
+        }
+    };
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "stale").await;
+    publish_confirmed(&conn, "stale", 0, 20).await;
+    // Past the frozen follower's election timer (openraft's leader lease, 6 heartbeats, and
+    // its election timeout, 3-6).
+    tokio::time::sleep(Duration::from_millis(7_000)).await;
+    c.nodes[follower].resume();
+    tokio::time::sleep(Duration::from_millis(3_000)).await;
+    let now = role_and_term(&c, leader);
+    if now != before {
+        for n in &c.nodes {
+            eprintln!("--- node {} log ---\n{}", n.id, n.log_text());
+        }
+    }
+    assert_eq!(
+        now, before,
+        "the leader's role and term changed after follower {} came back",
+        c.nodes[follower].id
+    );
+    publish_confirmed(&conn, "stale", 20, 20).await;
+    replicated(&c, "stale", 40, Duration::from_secs(20)).await;
+}
+
 /// Issue 15 point 10, the leader's side: a leader whose disk fills (its data folder on a small
 /// tmpfs, the disk alarm off; needs root, as the test command runs; WARREN_SKIP_MOUNT_TESTS=1
 /// skips it). Whichever write fails first (its state store's, as seen here, or its Raft log's,

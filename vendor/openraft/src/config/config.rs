@@ -234,6 +234,9 @@ pub struct Config {
 pub(crate) struct RuntimeConfig {
     pub(crate) enable_heartbeat: AtomicBool,
     pub(crate) enable_elect: AtomicBool,
+    /// Warren's patch: when set, election is enabled only until this instant
+    /// (`RuntimeConfigHandle::elect_until`).
+    pub(crate) elect_until: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl RuntimeConfig {
@@ -241,6 +244,7 @@ impl RuntimeConfig {
         Self {
             enable_heartbeat: AtomicBool::from(config.enable_heartbeat),
             enable_elect: AtomicBool::from(config.enable_elect),
+            elect_until: std::sync::Mutex::new(None),
         }
     }
 }

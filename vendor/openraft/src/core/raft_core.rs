@@ -1475,6 +1475,14 @@ where
             return;
         }
 
+        // Warren's patch: a permission to elect given until an instant now past (the process
+        // was frozen since) starts no election.
+        let until = *self.runtime_config.elect_until.lock().unwrap_or_else(|e| e.into_inner());
+        if until.is_some_and(|deadline| std::time::Instant::now() > deadline) {
+            tracing::debug!("election permission expired");
+            return;
+        }
+
         if self.engine.state.membership_state.effective().voter_ids().count() == 1 {
             if self.engine.candidate_ref().is_some() {
                 tracing::debug!("skip election, single voter already has an active election in progress");

@@ -40,6 +40,18 @@ where C: RaftTypeConfig
 
     /// Enable or disable election for a follower when its leader lease timed out.
     pub fn elect(&self, enabled: bool) {
-        self.raft_inner.runtime_config.enable_elect.store(enabled, Ordering::Relaxed);
+        let rc = &self.raft_inner.runtime_config;
+        *rc.elect_until.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        rc.enable_elect.store(enabled, Ordering::Relaxed);
+    }
+
+    /// Warren's patch: enable election for a follower whose leader lease timed out, until
+    /// `deadline` only. A tick after it does not start an election (until this or `elect` is
+    /// called again): a permission given on what the node knew then does not outlive a freeze
+    /// of the process (SIGSTOP, a paused VM) that came right after it.
+    pub fn elect_until(&self, deadline: std::time::Instant) {
+        let rc = &self.raft_inner.runtime_config;
+        *rc.elect_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(deadline);
+        rc.enable_elect.store(true, Ordering::Relaxed);
     }
 }
