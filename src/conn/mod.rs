@@ -173,9 +173,12 @@ async fn serve_halves(
         );
     }
     outbox.close_after_flush();
-    // Give the writer a moment to flush a close frame; then drop everything.
-    if timeout(Duration::from_secs(2), writer).await.is_err() {
-        debug!("writer did not finish");
+    // Give the writer a moment to flush a close frame; then drop everything. A writer still
+    // blocked on a client that reads nothing is stopped: it holds the socket open.
+    let mut writer = writer;
+    if timeout(Duration::from_secs(2), &mut writer).await.is_err() {
+        debug!("writer did not finish: stopped");
+        writer.abort();
     }
 }
 
@@ -241,17 +244,31 @@ async fn read_loop(
                         }
                     }
                     _ = writer_done.cancelled() => break,
-                    _ = stop.changed() => break,
+                    // Asked to close (the management API, a leader change, the shutdown): a
+                    // blocked publisher is closed like any other, not only once the alarm
+                    // clears.
+                    _ = info.close_requested.notified() => {
+                        closing_deadline = Some(close_as_asked(session, shared, info));
+                        break;
+                    }
+                    changed = stop.changed() => {
+                        if let Some(at) = shutting_down(session, shared, stop, changed) {
+                            closing_deadline = Some(at);
+                            break;
+                        }
+                    }
                 }
             }
-            session.send_blocked(None);
+            if closing_deadline.is_none() {
+                session.send_blocked(None);
+            }
             continue;
         }
         session.published = false;
         // Flow control: this client published into a queue past its window; wait for the
         // store to take it before reading more.
         if let (Some(ticket), Some(committer)) = (session.throttle.take(), &shared.committer) {
-            while committer.written.load(Ordering::Acquire) < ticket {
+            while closing_deadline.is_none() && committer.written.load(Ordering::Acquire) < ticket {
                 let progress = committer.progress.notified();
                 if committer.written.load(Ordering::Acquire) >= ticket {
                     break;
@@ -261,6 +278,15 @@ async fn read_loop(
                 tokio::select! {
                     _ = progress => {}
                     _ = writer_done.cancelled() => break,
+                    // A store that stopped (a full disk) never takes it: a close asked for
+                    // meanwhile (a leader that stopped on it closes its clients) must still
+                    // happen, or the client waits for ever.
+                    _ = info.close_requested.notified() => {
+                        closing_deadline = Some(close_as_asked(session, shared, info));
+                    }
+                    changed = stop.changed() => {
+                        closing_deadline = shutting_down(session, shared, stop, changed);
+                    }
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
             }
@@ -294,12 +320,26 @@ async fn read_loop(
             }
         }
         if outbox.len() > OUTBOX_HIGH_WATER {
+            // A client that stops reading keeps the outbox full, and this loop here: a close
+            // asked for meanwhile, and its deadline, are still kept.
+            let closing =
+                closing_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 _ = outbox.drained.notified() => {}
                 _ = writer_done.cancelled() => break,
                 // A reply held for a commit can be what keeps the outbox full: the commit's
                 // news must still be taken, or the hold (and the connection) stays for ever.
                 Some(done) = commit_rx.recv() => session.on_commit(done),
+                _ = info.close_requested.notified(), if closing_deadline.is_none() => {
+                    closing_deadline = Some(close_as_asked(session, shared, info));
+                }
+                changed = stop.changed(), if closing_deadline.is_none() => {
+                    closing_deadline = shutting_down(session, shared, stop, changed);
+                }
+                _ = sleep_until(closing), if closing_deadline.is_some() => {
+                    debug!("the client read nothing until the close's deadline");
+                    break;
+                }
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}
             }
             continue;
@@ -320,17 +360,10 @@ async fn read_loop(
                         _ = writer_done.cancelled() => break,
             Some(done) = commit_rx.recv() => session.on_commit(done),
             _ = info.close_requested.notified(), if closing_deadline.is_none() => {
-                // Closed from the management API (RabbitMQ's DELETE /api/connections/{name}).
-                let reason = info.take_close_reason().unwrap_or_default();
-                info!(%reason, "connection closed by an administrator");
-                session.force_close(&reason);
-                closing_deadline = Some(Instant::now() + shared.config.shutdown_grace);
+                closing_deadline = Some(close_as_asked(session, shared, info));
             }
             changed = stop.changed(), if closing_deadline.is_none() => {
-                if changed.is_err() || *stop.borrow() {
-                    session.force_close("broker forced connection closure with reason 'shutdown'");
-                    closing_deadline = Some(Instant::now() + shared.config.shutdown_grace);
-                }
+                closing_deadline = shutting_down(session, shared, stop, changed);
             }
             frame = frames.next() => {
                 match frame {
@@ -430,6 +463,32 @@ fn has_complete_frame(buf: &[u8]) -> bool {
     }
     let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]) as usize;
     buf.len() >= size + 8
+}
+
+/// A close asked for from outside the connection (RabbitMQ's DELETE /api/connections/{name}, a
+/// leader that stops leading): connection.close 320 with the reason given; returns when the
+/// connection ends at the latest, close-ok or not.
+fn close_as_asked(session: &mut Session, shared: &Shared, info: &ConnInfo) -> Instant {
+    let reason = info.take_close_reason().unwrap_or_default();
+    info!(%reason, "closing the connection as asked");
+    session.force_close(&reason);
+    Instant::now() + shared.config.shutdown_grace
+}
+
+/// The node's stop signal changed (`changed`, from `stop.changed()`): when it is the shutdown,
+/// connection.close 320 and when the connection ends at the latest.
+fn shutting_down(
+    session: &mut Session,
+    shared: &Shared,
+    stop: &watch::Receiver<bool>,
+    changed: Result<(), watch::error::RecvError>,
+) -> Option<Instant> {
+    if changed.is_err() || *stop.borrow() {
+        session.force_close("broker forced connection closure with reason 'shutdown'");
+        Some(Instant::now() + shared.config.shutdown_grace)
+    } else {
+        None
+    }
 }
 
 async fn write_loop(

@@ -749,3 +749,173 @@ async fn max_message_size_comes_from_the_command_line() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Asks every connection the node lists to close, as the management API's DELETE
+/// /api/connections/{name} and a leader that stops leading do.
+fn close_all(server: &TestServer, reason: &str) {
+    for c in server.shared.registry.list() {
+        c.close(reason.to_string());
+    }
+}
+
+/// A publisher blocked by the disk alarm (connection.blocked, its socket no longer read) waited
+/// for the alarm to clear before it heeded a close asked for meanwhile: a leader that stopped
+/// on a full disk could not close its clients, and they hung. Now it gets connection.close 320
+/// at once, the alarm still on.
+#[tokio::test]
+async fn a_blocked_publisher_is_closed_when_asked() {
+    use amq_protocol::protocol::{basic, connection, queue, AMQPClass};
+    use std::sync::atomic::Ordering;
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "blocked".into(),
+            ..Default::default()
+        })),
+    )
+    .await;
+    raw.recv_method().await.unwrap();
+    // Every byte free is below this limit: the disk alarm goes on.
+    server
+        .shared
+        .disk_free_limit
+        .store(u64::MAX, Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !*server.shared.disk_alarm.borrow() {
+        assert!(tokio::time::Instant::now() < deadline, "no disk alarm");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut out = warren_protocol::OutBuffer::new();
+    out.method(
+        1,
+        &AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            routing_key: "blocked".into(),
+            ..Default::default()
+        })),
+    );
+    out.content_slice(1, &[0, 0], b"held", 131072);
+    raw.send_bytes(&out.to_vec()).await;
+    assert!(matches!(
+        raw.recv_method().await,
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Blocked(_))))
+    ));
+    close_all(&server, "closed by the test");
+    match raw.recv_method().await {
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Close(c)))) => {
+            assert_eq!(c.reply_code, 320);
+            assert_eq!(
+                c.reply_text.as_str(),
+                "CONNECTION_FORCED - closed by the test"
+            );
+        }
+        other => panic!("expected connection.close 320, got {other:?}"),
+    }
+    server.shared.disk_free_limit.store(0, Ordering::Relaxed);
+}
+
+/// The state of the TCP socket `local` -> `remote` in /proc/net/tcp (IPv4), if it exists:
+/// 1 is ESTABLISHED.
+fn tcp_state(local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u8> {
+    let hex = |a: std::net::SocketAddr| match a {
+        std::net::SocketAddr::V4(v4) => format!(
+            "{:08X}:{:04X}",
+            u32::from_le_bytes(v4.ip().octets()),
+            v4.port()
+        ),
+        std::net::SocketAddr::V6(_) => panic!("IPv4 only"),
+    };
+    let (l, r) = (hex(local), hex(remote));
+    std::fs::read_to_string("/proc/net/tcp")
+        .unwrap()
+        .lines()
+        .skip(1)
+        .find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.get(1) == Some(&l.as_str()) && f.get(2) == Some(&r.as_str()))
+                .then(|| u8::from_str_radix(f[3], 16).unwrap())
+        })
+}
+
+/// A client that sends requests but stops reading the replies fills its connection's outbox
+/// (past 8 MB the read loop stops reading it and waits for the outbox to drain). That wait
+/// heeded no close asked for meanwhile (the management API, a leader change), nor a close's
+/// deadline: the connection stayed listed for ever; and a writer stuck on the full socket
+/// outlived its connection and held the socket open. Now the connection is gone within the
+/// close's grace (3 s) and the writer's (2 s), its socket with it; other clients carry on.
+#[tokio::test]
+async fn a_client_that_stops_reading_is_closed_when_asked() {
+    use amq_protocol::protocol::{queue, AMQPClass};
+    use tokio::io::AsyncWriteExt;
+    let server = TestServer::start().await;
+    let mut raw = Raw::handshake(server.addr).await;
+    raw.open_channel(1).await;
+    raw.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "unread".into(),
+            ..Default::default()
+        })),
+    )
+    .await;
+    raw.recv_method().await.unwrap();
+    // Half a million passive declares (a reply each, ~13 MB of replies), none read.
+    let mut out = warren_protocol::OutBuffer::new();
+    for _ in 0..500_000 {
+        out.method(
+            1,
+            &AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: "unread".into(),
+                passive: true,
+                ..Default::default()
+            })),
+        );
+    }
+    let requests = out.to_vec();
+    // The node stops reading once the outbox is full: the rest of the write may never go.
+    let _ = tokio::time::timeout(Duration::from_secs(5), raw.stream.write_all(&requests)).await;
+    let full = || {
+        server
+            .shared
+            .outboxes
+            .read()
+            .values()
+            .any(|o| o.len() > 8 * 1024 * 1024)
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !full() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the outbox never filled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (client, node) = (raw.stream.local_addr().unwrap(), server.addr);
+    assert_eq!(tcp_state(node, client), Some(1), "established");
+    let bystander = server.connect().await;
+    close_all(&server, "closed by the test");
+    // The bystander goes too (it was asked); the stalled one without reading a byte.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !server.shared.registry.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} connection(s) still listed",
+            server.shared.registry.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tcp_state(node, client) == Some(1) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node still holds the stalled client's socket open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(bystander);
+    // The node carries on.
+    let again = server.connect().await;
+    again.create_channel().await.unwrap();
+}
