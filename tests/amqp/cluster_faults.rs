@@ -78,6 +78,21 @@ fn role_and_term(c: &Cluster, i: usize) -> (Option<String>, Option<u64>) {
     (s["role"].as_str().map(str::to_owned), s["term"].as_u64())
 }
 
+/// Node `leader` reports the role and term it did `before` (printing every node's log when
+/// not); `when` names the follower that came back.
+fn still_leads(c: &Cluster, leader: usize, before: &(Option<String>, Option<u64>), when: &str) {
+    let now = role_and_term(c, leader);
+    if now != *before {
+        for n in &c.nodes {
+            eprintln!("--- node {} log ---\n{}", n.id, n.log_text());
+        }
+    }
+    assert_eq!(
+        now, *before,
+        "{when} came back: the leader's role and term changed"
+    );
+}
+
 /// Issue 15 point 7. The leader is frozen (SIGSTOP) with a publisher and a consumer on it,
 /// nothing in flight: the other two elect a leader that serves within 3 s; the frozen one,
 /// resumed, confirms and delivers nothing, closes its client connections and becomes a
@@ -1357,16 +1372,11 @@ async fn a_follower_frozen_and_continued_does_not_depose_the_leader() {
         tokio::time::sleep(Duration::from_millis(2_000)).await;
         c.nodes[follower].resume();
         tokio::time::sleep(Duration::from_millis(2_000)).await;
-        let now = role_and_term(&c, leader);
-        if now != before {
-            for n in &c.nodes {
-                eprintln!("--- node {} log ---\n{}", n.id, n.log_text());
-            }
-        }
-        assert_eq!(
-            now, before,
-            "round {round}: the leader's role and term changed after follower {} came back",
-            c.nodes[follower].id
+        still_leads(
+            &c,
+            leader,
+            &before,
+            &format!("round {round}: follower {}", c.nodes[follower].id),
         );
     }
     // The same connection still confirms (the leader never closed it), and the follower that
@@ -1480,16 +1490,11 @@ async fn a_follower_frozen_right_after_it_may_campaign_does_not_depose_the_leade
     tokio::time::sleep(Duration::from_millis(7_000)).await;
     c.nodes[follower].resume();
     tokio::time::sleep(Duration::from_millis(3_000)).await;
-    let now = role_and_term(&c, leader);
-    if now != before {
-        for n in &c.nodes {
-            eprintln!("--- node {} log ---\n{}", n.id, n.log_text());
-        }
-    }
-    assert_eq!(
-        now, before,
-        "the leader's role and term changed after follower {} came back",
-        c.nodes[follower].id
+    still_leads(
+        &c,
+        leader,
+        &before,
+        &format!("follower {}", c.nodes[follower].id),
     );
     publish_confirmed(&conn, "stale", 20, 20).await;
     replicated(&c, "stale", 40, Duration::from_secs(20)).await;

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use amq_protocol::protocol::{channel, connection, AMQPClass};
+use amq_protocol::protocol::{channel, connection, queue, AMQPClass};
 use bytes::BytesMut;
 use futures::StreamExt;
 use lapin::{Connection, ConnectionProperties};
@@ -92,6 +92,28 @@ impl TestServer {
         .await
         .expect("connect timed out")
         .expect("connect")
+    }
+
+    /// Raise the disk alarm (every byte free counts as below the limit) and wait until it is
+    /// on; `clear_disk_alarm` lowers it again.
+    pub async fn raise_disk_alarm(&self) {
+        self.shared
+            .disk_free_limit
+            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !*self.shared.disk_alarm.borrow() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "disk alarm never raised"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn clear_disk_alarm(&self) {
+        self.shared
+            .disk_free_limit
+            .store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Stop the server as SIGTERM would, and wait for it.
@@ -326,6 +348,24 @@ impl Raw {
 
     pub async fn handshake(addr: SocketAddr) -> Raw {
         Self::handshake_with(addr, 2047, 131072, 0).await.0
+    }
+
+    /// A handshake, channel 1 open, and queue `name` declared on it (transient).
+    pub async fn with_queue(addr: SocketAddr, name: &str) -> Raw {
+        let mut raw = Self::handshake(addr).await;
+        raw.open_channel(1).await;
+        raw.send(
+            1,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: name.into(),
+                ..Default::default()
+            })),
+        )
+        .await;
+        match raw.recv_method().await {
+            Some((1, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)))) => raw,
+            other => panic!("expected queue.declare-ok, got {other:?}"),
+        }
     }
 
     pub async fn open_channel(&mut self, ch: u16) {

@@ -412,33 +412,11 @@ async fn extension_queues_keep_their_behaviour_across_a_restart() {
 
 #[tokio::test]
 async fn low_disk_space_blocks_publishers_until_it_recovers() {
-    use amq_protocol::protocol::{basic, connection, queue, AMQPClass};
-    use std::sync::atomic::Ordering;
+    use amq_protocol::protocol::{basic, connection, AMQPClass};
     let server = TestServer::start().await;
-    let mut raw = Raw::handshake(server.addr).await;
-    raw.open_channel(1).await;
-    raw.send(
-        1,
-        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-            queue: "disk".into(),
-            ..Default::default()
-        })),
-    )
-    .await;
-    raw.recv_method().await.unwrap();
-    // Pretend the disk is nearly full: every byte free is below this limit.
-    server
-        .shared
-        .disk_free_limit
-        .store(u64::MAX, Ordering::Relaxed);
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !*server.shared.disk_alarm.borrow() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "disk alarm never raised"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    let mut raw = Raw::with_queue(server.addr, "disk").await;
+    // Pretend the disk is nearly full: every byte free is below the limit.
+    server.raise_disk_alarm().await;
     let publish = |body: &'static [u8]| {
         let mut out = warren_protocol::OutBuffer::new();
         out.method(
@@ -478,7 +456,7 @@ async fn low_disk_space_blocks_publishers_until_it_recovers() {
     };
     assert_eq!(count(ch.clone()).await, 1);
     // Space comes back: unblocked, and the held message goes through.
-    server.shared.disk_free_limit.store(0, Ordering::Relaxed);
+    server.clear_disk_alarm();
     assert!(matches!(
         raw.recv_method().await,
         Some((

@@ -764,30 +764,10 @@ fn close_all(server: &TestServer, reason: &str) {
 /// at once, the alarm still on.
 #[tokio::test]
 async fn a_blocked_publisher_is_closed_when_asked() {
-    use amq_protocol::protocol::{basic, connection, queue, AMQPClass};
-    use std::sync::atomic::Ordering;
+    use amq_protocol::protocol::{basic, connection, AMQPClass};
     let server = TestServer::start().await;
-    let mut raw = Raw::handshake(server.addr).await;
-    raw.open_channel(1).await;
-    raw.send(
-        1,
-        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-            queue: "blocked".into(),
-            ..Default::default()
-        })),
-    )
-    .await;
-    raw.recv_method().await.unwrap();
-    // Every byte free is below this limit: the disk alarm goes on.
-    server
-        .shared
-        .disk_free_limit
-        .store(u64::MAX, Ordering::Relaxed);
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !*server.shared.disk_alarm.borrow() {
-        assert!(tokio::time::Instant::now() < deadline, "no disk alarm");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let mut raw = Raw::with_queue(server.addr, "blocked").await;
+    server.raise_disk_alarm().await;
     let mut out = warren_protocol::OutBuffer::new();
     out.method(
         1,
@@ -813,7 +793,7 @@ async fn a_blocked_publisher_is_closed_when_asked() {
         }
         other => panic!("expected connection.close 320, got {other:?}"),
     }
-    server.shared.disk_free_limit.store(0, Ordering::Relaxed);
+    server.clear_disk_alarm();
 }
 
 /// The state of the TCP socket `local` -> `remote` in /proc/net/tcp (IPv4), if it exists:
@@ -850,17 +830,7 @@ async fn a_client_that_stops_reading_is_closed_when_asked() {
     use amq_protocol::protocol::{queue, AMQPClass};
     use tokio::io::AsyncWriteExt;
     let server = TestServer::start().await;
-    let mut raw = Raw::handshake(server.addr).await;
-    raw.open_channel(1).await;
-    raw.send(
-        1,
-        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-            queue: "unread".into(),
-            ..Default::default()
-        })),
-    )
-    .await;
-    raw.recv_method().await.unwrap();
+    let mut raw = Raw::with_queue(server.addr, "unread").await;
     // Half a million passive declares (a reply each, ~13 MB of replies), none read.
     let mut out = warren_protocol::OutBuffer::new();
     for _ in 0..500_000 {
