@@ -247,15 +247,9 @@ async fn read_loop(
                     // Asked to close (the management API, a leader change, the shutdown): a
                     // blocked publisher is closed like any other, not only once the alarm
                     // clears.
-                    _ = info.close_requested.notified() => {
-                        closing_deadline = Some(close_as_asked(session, shared, info));
+                    asked = asked_to_close(info, stop) => {
+                        closing_deadline = Some(close_now(session, shared, info, asked));
                         break;
-                    }
-                    changed = stop.changed() => {
-                        if let Some(at) = shutting_down(session, shared, stop, changed) {
-                            closing_deadline = Some(at);
-                            break;
-                        }
                     }
                 }
             }
@@ -281,11 +275,8 @@ async fn read_loop(
                     // A store that stopped (a full disk) never takes it: a close asked for
                     // meanwhile (a leader that stopped on it closes its clients) must still
                     // happen, or the client waits for ever.
-                    _ = info.close_requested.notified() => {
-                        closing_deadline = Some(close_as_asked(session, shared, info));
-                    }
-                    changed = stop.changed() => {
-                        closing_deadline = shutting_down(session, shared, stop, changed);
+                    asked = asked_to_close(info, stop) => {
+                        closing_deadline = Some(close_now(session, shared, info, asked));
                     }
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
@@ -322,21 +313,17 @@ async fn read_loop(
         if outbox.len() > OUTBOX_HIGH_WATER {
             // A client that stops reading keeps the outbox full, and this loop here: a close
             // asked for meanwhile, and its deadline, are still kept.
-            let closing =
-                closing_deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
             tokio::select! {
                 _ = outbox.drained.notified() => {}
                 _ = writer_done.cancelled() => break,
                 // A reply held for a commit can be what keeps the outbox full: the commit's
                 // news must still be taken, or the hold (and the connection) stays for ever.
                 Some(done) = commit_rx.recv() => session.on_commit(done),
-                _ = info.close_requested.notified(), if closing_deadline.is_none() => {
-                    closing_deadline = Some(close_as_asked(session, shared, info));
+                asked = asked_to_close(info, stop), if closing_deadline.is_none() => {
+                    closing_deadline = Some(close_now(session, shared, info, asked));
                 }
-                changed = stop.changed(), if closing_deadline.is_none() => {
-                    closing_deadline = shutting_down(session, shared, stop, changed);
-                }
-                _ = sleep_until(closing), if closing_deadline.is_some() => {
+                _ = sleep_until(closing_deadline.unwrap_or_else(Instant::now)),
+                    if closing_deadline.is_some() => {
                     debug!("the client read nothing until the close's deadline");
                     break;
                 }
@@ -359,11 +346,8 @@ async fn read_loop(
             biased;
                         _ = writer_done.cancelled() => break,
             Some(done) = commit_rx.recv() => session.on_commit(done),
-            _ = info.close_requested.notified(), if closing_deadline.is_none() => {
-                closing_deadline = Some(close_as_asked(session, shared, info));
-            }
-            changed = stop.changed(), if closing_deadline.is_none() => {
-                closing_deadline = shutting_down(session, shared, stop, changed);
+            asked = asked_to_close(info, stop), if closing_deadline.is_none() => {
+                closing_deadline = Some(close_now(session, shared, info, asked));
             }
             frame = frames.next() => {
                 match frame {
@@ -465,30 +449,44 @@ fn has_complete_frame(buf: &[u8]) -> bool {
     buf.len() >= size + 8
 }
 
-/// A close asked for from outside the connection (RabbitMQ's DELETE /api/connections/{name}, a
-/// leader that stops leading): connection.close 320 with the reason given; returns when the
-/// connection ends at the latest, close-ok or not.
-fn close_as_asked(session: &mut Session, shared: &Shared, info: &ConnInfo) -> Instant {
-    let reason = info.take_close_reason().unwrap_or_default();
-    info!(%reason, "closing the connection as asked");
-    session.force_close(&reason);
-    Instant::now() + shared.config.shutdown_grace
+/// Why a connection is to close from outside: asked to (RabbitMQ's DELETE
+/// /api/connections/{name}, a leader that stops leading: `ConnInfo::close`), or the node's
+/// shutdown.
+enum Asked {
+    Close,
+    Shutdown,
 }
 
-/// The node's stop signal changed (`changed`, from `stop.changed()`): when it is the shutdown,
-/// connection.close 320 and when the connection ends at the latest.
-fn shutting_down(
-    session: &mut Session,
-    shared: &Shared,
-    stop: &watch::Receiver<bool>,
-    changed: Result<(), watch::error::RecvError>,
-) -> Option<Instant> {
-    if changed.is_err() || *stop.borrow() {
-        session.force_close("broker forced connection closure with reason 'shutdown'");
-        Some(Instant::now() + shared.config.shutdown_grace)
-    } else {
-        None
+/// Resolves once the connection is asked to close from outside (every wait of the read loop
+/// selects on it: a connection held back by flow control, blocked by an alarm or not read by
+/// its client still closes when asked).
+async fn asked_to_close(info: &ConnInfo, stop: &mut watch::Receiver<bool>) -> Asked {
+    loop {
+        tokio::select! {
+            _ = info.close_requested.notified() => return Asked::Close,
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() {
+                    return Asked::Shutdown;
+                }
+            }
+        }
     }
+}
+
+/// connection.close 320 with the reason asked for; returns when the connection ends at the
+/// latest, close-ok or not.
+fn close_now(session: &mut Session, shared: &Shared, info: &ConnInfo, asked: Asked) -> Instant {
+    match asked {
+        Asked::Close => {
+            let reason = info.take_close_reason().unwrap_or_default();
+            info!(%reason, "closing the connection as asked");
+            session.force_close(&reason);
+        }
+        Asked::Shutdown => {
+            session.force_close("broker forced connection closure with reason 'shutdown'")
+        }
+    }
+    Instant::now() + shared.config.shutdown_grace
 }
 
 async fn write_loop(
