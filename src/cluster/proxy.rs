@@ -18,6 +18,9 @@ use tracing::{debug, info};
 /// served here after all (this node may be the one elected) or refused.
 const FIND_LEADER: Duration = Duration::from_secs(5);
 
+/// How long one connection attempt to the leader's AMQP port may take.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(1);
+
 pub async fn serve(
     mut client: TcpStream,
     peer: SocketAddr,
@@ -34,10 +37,17 @@ pub async fn serve(
             return crate::conn::serve(client, peer, shared, stop).await;
         }
         if let Some((id, info)) = rep.live_leader_info().filter(|(_, i)| !i.amqp.is_empty()) {
-            match TcpStream::connect(&info.amqp).await {
-                Ok(s) => break (id, info, s),
-                Err(e) => {
+            // Bounded by itself too: an address that drops SYNs (a firewall, a host gone)
+            // would otherwise hold the client for the kernel's connect timeout (two minutes),
+            // and the loop would not see a new leader meanwhile.
+            let attempt = deadline.min(tokio::time::Instant::now() + CONNECT_ATTEMPT);
+            match tokio::time::timeout_at(attempt, TcpStream::connect(&info.amqp)).await {
+                Ok(Ok(s)) => break (id, info, s),
+                Ok(Err(e)) => {
                     debug!(leader = id, addr = %info.amqp, error = %e, "the leader's AMQP port is unreachable")
+                }
+                Err(_) => {
+                    debug!(leader = id, addr = %info.amqp, "the leader's AMQP port does not answer")
                 }
             }
         }

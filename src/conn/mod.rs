@@ -116,18 +116,6 @@ async fn serve_halves(
     // Listed by the management API from here to the end of the connection.
     let info = Arc::new(ConnInfo::new(peer, local).with_tls(tls));
     let _listed = shared.registry.register(info.clone());
-    if let Some(rep) = shared.replication.as_ref().filter(|r| !r.is_leader()) {
-        // A follower configured to refuse clients (or one the proxy gave up on): 320 naming
-        // the leader, as RabbitMQ names where to go when it closes a connection itself.
-        let leader = match rep.leader_info() {
-            Some((id, n)) => format!("node {id} at {}", n.amqp),
-            None => "not known yet (an election is under way)".into(),
-        };
-        info.close(format!(
-            "node {} is not the leader; the leader is {leader}",
-            rep.me
-        ));
-    }
     let outbox = Arc::new(Outbox::new(shared.config.frame_max));
     let writer_done = CancellationToken::new();
     let writer = tokio::spawn(write_loop(

@@ -328,6 +328,22 @@ impl Session {
 
     fn open(&mut self, m: connection::Open) -> Result<Next, AmqpError> {
         let vhost = m.virtual_host.as_str().to_string();
+        // A cluster node that does not lead serves no client: a follower configured to refuse
+        // them (`--follower-clients refuse`), or one whose proxy found no reachable leader.
+        // 320 naming the leader, in answer to connection.open as RabbitMQ refuses a connection
+        // it will not serve (a vhost's connection limit): clients report the reason as it is
+        // (the Java client and pika take a close in answer to start-ok for a failed login),
+        // and none is sent a close before it answered connection.start (lapin then waited
+        // for ever). The node may also have been elected since the client connected.
+        if let Some(rep) = self.shared.replication.as_ref().filter(|r| !r.is_leader()) {
+            let leader = match rep.leader_info().filter(|(id, _)| *id != rep.me) {
+                Some((id, n)) => format!("node {id} at {}", n.amqp),
+                None => "not known yet (an election is under way)".into(),
+            };
+            let reason = format!("node {} is not the leader; the leader is {leader}", rep.me);
+            info!(peer = %self.peer, "client refused: {reason}");
+            return Err(AmqpError::connection(ReplyCode::ConnectionForced, reason).on(10, 40));
+        }
         let opened = self.run(Cmd::OpenConnection {
             vhost: vhost.clone(),
             connection_max: self.shared.connection_max,

@@ -262,6 +262,9 @@ const PROXIED: &str = "x-warren-proxied-by";
 /// How long a forwarded request may take, the leader's answer included.
 const FORWARD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// How long the connection to the leader's management port may take to open.
+const FORWARD_CONNECT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// On a cluster node that does not lead, the API is the leader's: every request (after the
 /// login, checked against the replicated users) is forwarded to the leader's management
 /// address and its answer copied back, so any node answers for the cluster, as RabbitMQ's
@@ -331,8 +334,11 @@ fn proxy_error(reason: String) -> Response {
 /// Send `req` to the management API at `addr` over a new HTTP/1.1 connection (hyper's
 /// client) and hand back its answer, the body streamed.
 async fn forward(addr: &str, me: u64, mut req: axum::extract::Request) -> Result<Response, String> {
-    let stream = tokio::net::TcpStream::connect(addr)
+    // The connection on its own bound: an address that drops SYNs would otherwise hold the
+    // request for the whole FORWARD_TIMEOUT.
+    let stream = tokio::time::timeout(FORWARD_CONNECT, tokio::net::TcpStream::connect(addr))
         .await
+        .map_err(|_| format!("no connection within {} s", FORWARD_CONNECT.as_secs()))?
         .map_err(|e| e.to_string())?;
     let _ = stream.set_nodelay(true);
     let (mut sender, conn) =

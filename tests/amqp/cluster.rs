@@ -1543,3 +1543,264 @@ async fn vhosts_are_replicated_and_their_deletion_takes_what_is_in_them() {
     assert_eq!(status, 200, "{body}");
     assert!(!body.contains("shop") && body.contains("\"/\""), "{body}");
 }
+
+/// The `warren_cluster` table of a node's connection.start (issue 15 point 4): the header,
+/// then connection.start read raw. Returns the table and the connection, to go on with.
+async fn start_properties(amqp: u16) -> (amq_protocol::types::FieldTable, super::common::Raw) {
+    use amq_protocol::protocol::{connection, AMQPClass};
+    let addr = format!("127.0.0.1:{amqp}").parse().unwrap();
+    let mut raw = super::common::Raw::tcp(addr).await;
+    raw.send_bytes(&warren_protocol::PROTOCOL_HEADER).await;
+    let start = match raw.recv_method().await {
+        Some((0, AMQPClass::Connection(connection::AMQPMethod::Start(s)))) => s,
+        other => panic!("expected connection.start, got {other:?}"),
+    };
+    match start.server_properties.inner().get("warren_cluster") {
+        Some(amq_protocol::types::AMQPValue::FieldTable(t)) => (t.clone(), raw),
+        other => panic!("no warren_cluster table in connection.start: {other:?}"),
+    }
+}
+
+fn table_u64(t: &amq_protocol::types::FieldTable, key: &str) -> Option<u64> {
+    match t.inner().get(key) {
+        Some(amq_protocol::types::AMQPValue::LongLongInt(v)) => u64::try_from(*v).ok(),
+        _ => None,
+    }
+}
+
+fn table_str(t: &amq_protocol::types::FieldTable, key: &str) -> Option<String> {
+    match t.inner().get(key) {
+        Some(amq_protocol::types::AMQPValue::LongString(s)) => {
+            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        _ => None,
+    }
+}
+
+/// Issue 15 point 4: with `--follower-clients refuse` a follower answers a client's
+/// start-ok with connection.close 320 naming the leader's AMQP address (a real client's
+/// connect fails saying so), and every node names itself, its role, the term, the
+/// leader, its commit and applied indexes (and, on the leader, each follower's lag) in its
+/// connection.start, `GET /api/nodes` and `warren ctl cluster status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_set_to_refuse_names_the_leader_and_every_node_names_itself() {
+    use amq_protocol::protocol::{connection, AMQPClass};
+    let c = Cluster::start_with(3, &["--follower-clients", "refuse"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let leader_id = c.nodes[leader].id;
+    let leader_amqp = format!("127.0.0.1:{}", c.nodes[leader].amqp);
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "refused").await;
+    publish_confirmed(&conn, "refused", 0, 20).await;
+    // Every follower has applied what the leader has (the indexes compared below).
+    replicated(&c, "refused", 20, WAIT).await;
+    let deadline = Instant::now() + WAIT;
+    while !c.nodes.iter().all(|n| {
+        n.status().is_some_and(|s| {
+            s["applied_index"] == c.nodes[leader].status().unwrap()["applied_index"]
+                && s["leader_id"].as_u64() == Some(leader_id)
+        })
+    }) {
+        assert!(Instant::now() < deadline, "the followers did not catch up");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let term = c.nodes[leader].status().unwrap()["term"].as_u64().unwrap();
+
+    for (i, node) in c.nodes.iter().enumerate() {
+        let (t, mut raw) = start_properties(node.amqp).await;
+        let role = if i == leader { "leader" } else { "follower" };
+        assert_eq!(table_u64(&t, "node_id"), Some(node.id), "{t:?}");
+        assert_eq!(table_str(&t, "role").as_deref(), Some(role), "{t:?}");
+        assert_eq!(table_u64(&t, "term"), Some(term), "{t:?}");
+        assert_eq!(table_u64(&t, "leader_id"), Some(leader_id), "{t:?}");
+        assert!(
+            table_u64(&t, "commit_index").is_some_and(|n| n >= 3),
+            "{t:?}"
+        );
+        assert!(
+            table_u64(&t, "applied_index").is_some_and(|n| n >= 3),
+            "{t:?}"
+        );
+        let lag = match t.inner().get("follower_lag") {
+            Some(amq_protocol::types::AMQPValue::FieldTable(l)) => l.clone(),
+            other => panic!("follower_lag: {other:?}"),
+        };
+        if i == leader {
+            // On the leader: each follower's lag (a number; 0 or what is in flight).
+            for f in c.nodes.iter().filter(|f| f.id != leader_id) {
+                assert!(table_u64(&lag, &f.id.to_string()).is_some(), "{t:?}");
+            }
+            continue;
+        }
+        // A follower set to refuse: the handshake goes on (the client logs in and learns who
+        // answered), and its connection.open gets connection.close 320 naming the leader.
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: Default::default(),
+                mechanism: "PLAIN".into(),
+                response: "\0guest\0guest".into(),
+                locale: "en_US".into(),
+            })),
+        )
+        .await;
+        match raw.recv_method().await {
+            Some((0, AMQPClass::Connection(connection::AMQPMethod::Tune(_)))) => {}
+            other => panic!("expected connection.tune, got {other:?}"),
+        }
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max: 0,
+                frame_max: 131072,
+                heartbeat: 0,
+            })),
+        )
+        .await;
+        raw.send(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host: "/".into(),
+            })),
+        )
+        .await;
+        let close = raw.expect_connection_close().await;
+        assert_eq!(close.reply_code, 320, "{close:?}");
+        let text = close.reply_text.as_str();
+        assert!(
+            text.contains(&format!("node {leader_id} at {leader_amqp}")),
+            "{text}"
+        );
+        assert_eq!((close.class_id, close.method_id), (10, 40), "{close:?}");
+        // lapin: the connect itself fails, with the same reason.
+        let err = tokio::time::timeout(
+            Duration::from_secs(20),
+            Connection::connect(&node.url(), ConnectionProperties::default()),
+        )
+        .await
+        .expect("lapin's connect to a follower set to refuse did not end")
+        .expect_err("a follower set to refuse opened a connection");
+        let err = format!("{err:?} {err}");
+        assert!(err.contains(&leader_amqp), "{err}");
+        assert!(err.to_uppercase().contains("FORCED"), "{err}");
+    }
+
+    // GET /api/nodes, asked of each node (a follower forwards it to the leader): three nodes
+    // with their addresses, one leader, the term, and the followers' lag.
+    for node in &c.nodes {
+        let list = node.get("/api/nodes").expect("GET /api/nodes");
+        let list = list.as_array().expect("a list");
+        assert_eq!(list.len(), 3, "{list:?}");
+        for n in list {
+            let id = n["node_id"].as_u64().unwrap();
+            let me = &c.nodes[id as usize - 1];
+            assert!(
+                n["amqp_address"]
+                    .as_str()
+                    .is_some_and(|a| a.ends_with(&format!(":{}", me.amqp))),
+                "{n}"
+            );
+            assert_eq!(n["term"].as_u64(), Some(term), "{n}");
+            assert_eq!(n["leader_id"].as_u64(), Some(leader_id), "{n}");
+            assert_eq!(n["running"], true, "{n}");
+            if id == leader_id {
+                assert_eq!(n["role"], "leader", "{n}");
+                assert!(n["commit_index"].as_u64().is_some(), "{n}");
+            } else {
+                assert_eq!(n["role"], "follower", "{n}");
+                assert!(n["lag"].as_u64().is_some(), "{n}");
+            }
+        }
+    }
+
+    // `warren ctl cluster status` on a follower: itself, the term, the leader, its indexes,
+    // and every node's addresses.
+    let follower = (leader + 1) % 3;
+    let (ok, out) = ctl(&c.nodes[follower], &["cluster", "status"]);
+    assert!(ok, "{out}");
+    let head = format!(
+        "node {} is follower (term {term}, leader {leader_id}, commit index ",
+        c.nodes[follower].id
+    );
+    assert!(out.contains(&head), "{out}");
+    for n in &c.nodes {
+        assert!(out.contains(&format!("127.0.0.1:{}", n.amqp)), "{out}");
+    }
+}
+
+/// A listening socket that takes no connection: its accept queue (length 0) is filled by one
+/// connection the test holds, so the kernel drops every further SYN, as a firewall or a host
+/// gone does (a connect to it waits for the kernel's connect timeout, about two minutes).
+fn black_hole() -> (
+    std::net::SocketAddr,
+    tokio::net::TcpListener,
+    std::net::TcpStream,
+) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let filler = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).unwrap();
+    // The kernel drops the next SYN (checked: else the test would prove nothing).
+    assert!(
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(),
+        "a full accept queue still takes connections here"
+    );
+    (addr, listener, filler)
+}
+
+/// A follower hands its clients to the leader's advertised AMQP address; when that address
+/// drops SYNs, each attempt is bounded and the client is refused with 320 within the follower's
+/// 5 s search for a reachable leader, instead of waiting minutes for the kernel's connect
+/// timeout. The management API forwarded to an unreachable leader answers 502 as soon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_leader_drops_connections_refuses_its_client_in_seconds() {
+    let (hole, _listener, _filler) = black_hole();
+    let hole = hole.to_string();
+    // Every node advertises the black hole as its AMQP and management address.
+    let c = Cluster::start_with(3, &["--advertise-amqp", &hole, "--advertise-http", &hole]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let follower = (leader + 1) % 3;
+    // The follower knows the leader (and so its advertised address).
+    let deadline = Instant::now() + WAIT;
+    while c.nodes[follower]
+        .status()
+        .is_none_or(|s| s["leader_id"].as_u64() != Some(c.nodes[leader].id))
+    {
+        assert!(Instant::now() < deadline, "the follower knows no leader");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let asked = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        Connection::connect(&c.nodes[follower].url(), ConnectionProperties::default()),
+    )
+    .await
+    .expect("the client waited more than 20 s on a leader that drops connections");
+    let err = r.expect_err("a follower with no reachable leader opened a connection");
+    let took = asked.elapsed();
+    let err = format!("{err:?} {err}");
+    assert!(err.to_uppercase().contains("FORCED"), "{err}");
+    assert!(took < Duration::from_secs(12), "refused after {took:?}");
+    eprintln!("refused after {took:?}: {err}");
+
+    // The management API: forwarded to the black hole, a 502 within seconds.
+    let asked = Instant::now();
+    let r = ureq::get(&format!(
+        "http://127.0.0.1:{}/api/queues",
+        c.nodes[follower].http
+    ))
+    .header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=")
+    .config()
+    .timeout_global(Some(Duration::from_secs(30)))
+    .http_status_as_error(false)
+    .build()
+    .call()
+    .expect("the forwarded request got no answer");
+    assert_eq!(r.status().as_u16(), 502, "status");
+    assert!(
+        asked.elapsed() < Duration::from_secs(12),
+        "{:?}",
+        asked.elapsed()
+    );
+}
