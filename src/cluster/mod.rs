@@ -349,16 +349,12 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
                 .iter()
                 .any(|f| snapshots.join(f).exists())
     };
-    // No amnesiac votes: a node that was a member and lost its log must not vote as if it had
-    // never acknowledged anything (the members' record of it says), and a new log never forms
-    // a cluster of its own beside one that exists.
-    let formed_elsewhere = never_joined && refuse_if_wiped(&rep, &cfg, known_incarnation).await?;
     // A data folder that ran as a single node: it grows into a cluster alone (its data becomes
     // the first snapshot; the others are added), never into one whose other members know
     // nothing of its data.
     let has_data = shared.query(|b| b.has_users() || !b.queue_views(None).is_empty());
     let grows_now = never_joined && has_data;
-    if grows_now && (cfg.peers.len() > 1 || formed_elsewhere) {
+    if grows_now && cfg.peers.len() > 1 {
         anyhow::bail!(
             "{} holds the data of a single node: start it as a cluster of one (--peers listing \
              only node {}) to grow it into a cluster, then add the other nodes with `warren ctl \
@@ -422,6 +418,9 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         let grace = std::time::Duration::from_millis(2 * lease_ms(cfg.heartbeat_ms));
         tokio::spawn(elections(rep.clone(), raft.clone(), grace));
     }
+    // A node whose log is new answers nothing but handshakes until it knows it may take part
+    // (`may_join`): no vote, pre-vote or entry.
+    let undecided = Arc::new(std::sync::atomic::AtomicBool::new(never_joined));
     tokio::spawn(net::serve_as(
         listener,
         raft.clone(),
@@ -432,38 +431,14 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
             info: Some(rep.node_info()),
             heard: rep.heard.clone(),
             log: Some(log.clone()),
+            undecided: undecided.clone(),
         },
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
-    if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
-        info!(
-            node_id = rep.me,
-            "not an initial member (--peers does not list it): waiting to be added with \
-             `warren ctl cluster add {} {}` on a member",
-            rep.me,
-            rep.info.raft
-        );
-    } else if never_joined && !raft.is_initialized().await.unwrap_or(false) {
-        // Every node started with the same list initializes with the same membership: the
-        // first that wins an election leads, the others' attempts fail harmlessly.
-        let members: BTreeMap<NodeId, NodeInfo> = cfg
-            .peers
-            .iter()
-            .map(|(id, addr)| {
-                // Only what every node knows alike: the initial membership entry must be the
-                // same on all of them (it has the same log id everywhere). Each leader adds
-                // its own AMQP and HTTP addresses once it serves (`announce`).
-                let info = NodeInfo {
-                    raft: addr.clone(),
-                    ..Default::default()
-                };
-                (*id, info)
-            })
-            .collect();
-        match raft.initialize(members).await {
-            Ok(()) => info!("cluster formed from --peers"),
-            Err(e) => info!(error = %e, "cluster already forming"),
-        }
+    if never_joined {
+        // In a task of its own: the node serves its API meanwhile (its status says it leads
+        // nothing), however long the other members stay away.
+        tokio::spawn(join(rep.clone(), raft.clone(), cfg, incarnation, undecided));
     }
     if grows {
         tokio::spawn(first_snapshot(rep.clone(), raft.clone()));
@@ -604,40 +579,139 @@ fn lease_ms(heartbeat_ms: u64) -> u64 {
 /// Entries between snapshots by default (each entry is a batch of changes).
 pub const SNAPSHOT_EVERY: u64 = 20_000;
 
-/// Refuse to start a node whose Raft log is new while a reachable member still records it with
-/// an incarnation other than `own`, the one its log holds (it ran before, and its data was
-/// lost). A node that never ran (a late first start) has none recorded and goes on.
-/// Returns whether a reachable member belongs to a formed cluster (a new node then waits to be
-/// added instead of forming one).
-async fn refuse_if_wiped(
-    rep: &Replication,
-    cfg: &crate::config::ClusterConfig,
-    own: Option<u64>,
-) -> anyhow::Result<bool> {
-    let mut formed = false;
-    for (id, addr) in cfg.peers.iter().filter(|(id, _)| **id != rep.me) {
-        let probe = net::probe(addr, &rep.cluster_id, rep.me, *id);
-        let Ok(Ok((known, initialized))) =
-            tokio::time::timeout(std::time::Duration::from_secs(2), probe).await
-        else {
-            continue;
-        };
-        formed |= initialized;
-        if let Some(k) = known.filter(|k| k.incarnation != 0 && Some(k.incarnation) != own) {
-            anyhow::bail!(
-                "node {me} is a member of cluster {cluster} (node {id} records it, incarnation \
-                 {inc:x}) but its Raft log in its data folder is new: its data was lost, and a \
-                 member that forgot what it acknowledged must not vote. To bring it back, run \
-                 `warren ctl cluster remove {me}` on a running node, then start this node again \
-                 (it waits) and add it with `warren ctl cluster add {me} {raft}`",
-                me = rep.me,
-                cluster = rep.cluster_id,
-                inc = k.incarnation,
-                raft = rep.info.raft,
-            );
+/// A node whose Raft log is new (it never joined) takes part once `may_join` says it may:
+/// it then forms the cluster with the other `--peers`, or waits for a member to replicate to it
+/// (a late first start, or a node to be added); a member whose data was lost stops the process,
+/// saying how to bring it back.
+async fn join(
+    rep: Arc<Replication>,
+    raft: Raft,
+    cfg: crate::config::ClusterConfig,
+    own: u64,
+    undecided: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let formed_elsewhere = match may_join(&rep, &cfg, own).await {
+        Ok(formed) => formed,
+        Err(e) => {
+            error!("{e:#}");
+            std::process::exit(1);
+        }
+    };
+    undecided.store(false, Ordering::Release);
+    if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
+        info!(
+            node_id = rep.me,
+            "not an initial member (--peers does not list it), or the cluster formed without \
+             it: waiting for the leader, or to be added with `warren ctl cluster add {} {}` \
+             on a member",
+            rep.me,
+            rep.info.raft
+        );
+    } else if !raft.is_initialized().await.unwrap_or(false) {
+        // Every node started with the same list initializes with the same membership: the
+        // first that wins an election leads, the others' attempts fail harmlessly.
+        let members: BTreeMap<NodeId, NodeInfo> = cfg
+            .peers
+            .iter()
+            .map(|(id, addr)| {
+                // Only what every node knows alike: the initial membership entry must be the
+                // same on all of them (it has the same log id everywhere). Each leader adds
+                // its own AMQP and HTTP addresses once it serves (`announce`).
+                let info = NodeInfo {
+                    raft: addr.clone(),
+                    ..Default::default()
+                };
+                (*id, info)
+            })
+            .collect();
+        match raft.initialize(members).await {
+            Ok(()) => info!("cluster formed from --peers"),
+            Err(e) => info!(error = %e, "cluster already forming"),
         }
     }
-    Ok(formed)
+}
+
+/// How long a node whose log is new waits between two rounds of probes of its peers.
+const JOIN_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// No amnesiac votes: whether a node whose Raft log is new (`own`: the incarnation its log
+/// holds, drawn when the log was made; it tells its peers in its handshakes, and a leader may
+/// have recorded it meanwhile) may take part, decided from what its `--peers` answer:
+///
+/// - a reachable member records it with another incarnation: it was a member and its data was
+///   lost; it must not vote as if it had never acknowledged anything (Err, saying how to
+///   re-add it);
+/// - a reachable member belongs to a formed cluster (recording it as one that never ran, or
+///   not at all): Ok(true), it joins as that cluster's membership says;
+/// - a majority of the `--peers` (itself included) answered, none in a formed cluster: Ok(false),
+///   the cluster forms now.
+///
+/// Until one of these holds it asks again (and answers its peers nothing but handshakes): a
+/// member whose data was lost, started while the others are down, would otherwise vote with an
+/// empty log for the first member back, however stale, and the entries that only it and a
+/// leader now down held (committed, confirmed) would be overwritten.
+async fn may_join(
+    rep: &Replication,
+    cfg: &crate::config::ClusterConfig,
+    own: u64,
+) -> anyhow::Result<bool> {
+    let majority = cfg.peers.len() / 2 + 1;
+    let listed = cfg.peers.contains_key(&rep.me);
+    let mut said: Option<std::time::Instant> = None;
+    loop {
+        let mut probes = tokio::task::JoinSet::new();
+        for (id, addr) in cfg.peers.iter().filter(|(id, _)| **id != rep.me) {
+            let (id, addr, cluster, me) = (*id, addr.clone(), rep.cluster_id.clone(), rep.me);
+            probes.spawn(async move {
+                let probe = net::probe(&addr, &cluster, me, id);
+                (
+                    id,
+                    tokio::time::timeout(std::time::Duration::from_secs(1), probe).await,
+                )
+            });
+        }
+        let (mut formed, mut fresh) = (false, 0);
+        while let Some(answer) = probes.join_next().await {
+            let Ok((id, Ok(Ok((known, initialized))))) = answer else {
+                continue;
+            };
+            if let Some(k) = known.filter(|k| k.incarnation != 0 && k.incarnation != own) {
+                anyhow::bail!(
+                    "node {me} is a member of cluster {cluster} (node {id} records it, \
+                     incarnation {inc:x}) but its Raft log in its data folder is new: its data \
+                     was lost, and a member that forgot what it acknowledged must not vote. To \
+                     bring it back, run `warren ctl cluster remove {me}` on a running node, then \
+                     start this node again (it waits) and add it with `warren ctl cluster add \
+                     {me} {raft}`",
+                    me = rep.me,
+                    cluster = rep.cluster_id,
+                    inc = k.incarnation,
+                    raft = rep.info.raft,
+                );
+            }
+            if initialized {
+                formed = true;
+            } else {
+                fresh += 1;
+            }
+        }
+        if formed {
+            return Ok(true);
+        }
+        if listed && fresh + 1 >= majority {
+            return Ok(false);
+        }
+        if said.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(10)) {
+            info!(
+                node_id = rep.me,
+                answered = fresh,
+                "this node's Raft log is new: it takes no part (no vote) until a majority of \
+                 --peers answers, or a member of a formed cluster does"
+            );
+            said = Some(std::time::Instant::now());
+        }
+        tokio::time::sleep(JOIN_PROBE_EVERY).await;
+    }
 }
 
 /// The log store's mark of a grown single node whose first snapshot is not made yet.
@@ -1033,6 +1107,17 @@ fn update_addresses(
     known.insert(rep.me, rep.node_info());
     for (id, info) in known {
         match membership.get_node(&id) {
+            // A member's incarnation is recorded once: another one means its log was made
+            // anew (its data was lost), and only `cluster remove` and `cluster add` make it a
+            // member again (`may_join` refuses it meanwhile).
+            Some(current)
+                if current.incarnation != 0 && current.incarnation != info.incarnation =>
+            {
+                tracing::debug!(
+                    node = id,
+                    "a member answers with another incarnation than the one recorded: not recorded"
+                );
+            }
             Some(current) if current.raft == info.raft && *current != info => {
                 changed.insert(id, info);
             }

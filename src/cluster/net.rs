@@ -452,8 +452,12 @@ async fn serve_conn(
             membership.voter_ids().next().is_some(),
         )
     };
+    // A node that does not take part yet gives no membership data: a leader would record its
+    // incarnation (`update_addresses`), and a member whose data was lost would then find
+    // itself recorded as it is now and vote (`may_join`).
+    let undecided = info.undecided.load(std::sync::atomic::Ordering::Acquire);
     let ok = match encode(&Response::HelloOk {
-        info: info.info.clone(),
+        info: if undecided { None } else { info.info.clone() },
         known,
         initialized,
     }) {
@@ -465,6 +469,10 @@ async fn serve_conn(
     };
     if let Err(e) = framed.send(ok).await {
         debug!("raft: answering the handshake of node {from} at {peer}: {e}");
+        return;
+    }
+    if undecided {
+        debug!("raft: node {from} at {peer} was answered its handshake only: this node does not take part yet");
         return;
     }
     framed.codec_mut().set_max_frame_length(MAX_FRAME);
@@ -920,6 +928,9 @@ pub struct Local {
     pub info: Option<NodeInfo>,
     pub heard: Arc<Heard>,
     pub log: Option<super::log_store::LogStore>,
+    /// While set (a node whose log is new, until it knows it may take part: `may_join`),
+    /// a connection is closed once its handshake is answered: no vote, pre-vote or entry.
+    pub undecided: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Whether this node would vote for the candidate of `p` (see `PreVote`).

@@ -923,6 +923,94 @@ async fn a_member_whose_data_was_wiped_refuses_to_start_until_removed_and_added_
     assert_eq!(c.leader(WAIT).await, leader);
 }
 
+/// No amnesiac votes when no other member answers (issue 15 point 5): entries committed by the
+/// leader and one follower while the other follower was down; then the leader and that
+/// follower go down, and the follower's data is lost. Started alone, the wiped follower must
+/// not vote: with an empty log it would elect the stale follower as soon as it comes back, and
+/// the committed entries the dead leader still holds would be overwritten when it returns. It
+/// waits (no vote, no pre-vote) until a member answers, then refuses to start saying how to
+/// re-add it; the leader and the stale follower elect the leader with the entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
+    let mut c = Cluster::start_logged(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let (stale, wiped) = ((leader + 1) % 3, (leader + 2) % 3);
+    let wiped_id = c.nodes[wiped].id;
+    let deadline = Instant::now() + WAIT;
+    while !c.nodes[leader].status().is_some_and(|s| {
+        s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["incarnation"].as_u64().unwrap_or(0) != 0)
+    }) {
+        assert!(Instant::now() < deadline, "incarnations not recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "two-of-three").await;
+    publish_confirmed(&conn, "two-of-three", 0, 10).await;
+    replicated(&c, "two-of-three", 10, WAIT).await;
+
+    // The stale follower goes; 200 more are confirmed by the leader and the other follower.
+    c.nodes[stale].kill();
+    publish_confirmed(&conn, "two-of-three", 10, 200).await;
+    drop(conn);
+    c.nodes[leader].kill();
+    c.nodes[wiped].kill();
+    std::fs::remove_dir_all(c.dir.path().join(format!("n{wiped_id}"))).unwrap();
+
+    // Alone, the wiped node waits: nothing to ask, so it neither forms nor votes.
+    c.restart(wiped);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        c.nodes[wiped]
+            .child
+            .as_mut()
+            .unwrap()
+            .try_wait()
+            .unwrap()
+            .is_none(),
+        "the wiped node stopped with no one to ask: {}",
+        c.nodes[wiped].log_text()
+    );
+    // The stale follower comes back: the wiped node learns from it that it was a member,
+    // and stops, saying how to re-add it. The stale follower gets no vote from it.
+    c.restart(stale);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(s) = c.nodes[wiped].child.as_mut().unwrap().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the wiped member went on beside the stale one: {:?}\n{}",
+            c.nodes[stale].status(),
+            c.nodes[wiped].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(!status.success());
+    let log = c.nodes[wiped].log_text();
+    assert!(
+        log.contains(&format!("warren ctl cluster remove {wiped_id}")),
+        "{log}"
+    );
+    c.nodes[wiped].child = None;
+    // The stale follower alone elects no one; with the old leader back, the two elect the
+    // one with every entry, and every confirmed message is there.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_ne!(
+        c.nodes[stale].status().unwrap()["serving"],
+        true,
+        "the stale follower leads"
+    );
+    c.restart(leader);
+    let now_leading = c.leader(Duration::from_secs(20)).await;
+    assert_eq!(now_leading, leader, "the stale follower was elected");
+    replicated(&c, "two-of-three", 210, WAIT).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes() {
     // A single node, no cluster settings, with confirmed messages.
