@@ -1633,3 +1633,194 @@ async fn a_leader_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
     publish_confirmed_with(&ch, "fill", 0, 100, incompressible).await;
     replicated(&c, "fill", 100, Duration::from_secs(60)).await;
 }
+
+/// Issue 15 points 3 and 7, with the leader running: cut off from the majority (both
+/// followers frozen), it confirms nothing, answers no durable declare, bind or purge, stops
+/// delivering within its lease, closes its clients with 320 and says it does not serve; with
+/// the followers back, a leader serves and confirms again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_cut_off_from_the_majority_confirms_nothing_and_closes_its_clients() {
+    let mut c = Cluster::start_logged(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    let mut events = conn.events_listener();
+    let closed_with = tokio::spawn(async move {
+        while let Some(e) = events.next().await {
+            if let lapin::Event::Error(e) = e {
+                return Some(format!("{e:?}"));
+            }
+        }
+        None
+    });
+    declare(&conn, "cut").await;
+    declare(&conn, "held").await;
+    publish_confirmed(&conn, "held", 0, 200).await;
+    // The channels the changes go on, opened while the leader leads.
+    let pch = confirm_channel(&conn).await;
+    let changes: Vec<Channel> = futures::future::join_all((0..4).map(|_| conn.create_channel()))
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    // A consumer acking each delivery at once, one at a time (prefetch 1): deliveries go on
+    // for as long as the leader serves.
+    let cons_conn = connect(&c.nodes[leader].url()).await;
+    let cch = cons_conn.create_channel().await.unwrap();
+    cch.basic_qos(1, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = cch
+        .basic_consume(
+            "held".into(),
+            "held".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(WAIT, consumer.next())
+        .await
+        .expect("a first delivery")
+        .expect("the consumer is open")
+        .expect("a delivery");
+    first.ack(BasicAckOptions::default()).await.unwrap();
+    let deliveries = tokio::spawn(async move {
+        let mut at = Vec::new();
+        while let Ok(Some(Ok(d))) = tokio::time::timeout(WAIT, consumer.next()).await {
+            at.push(Instant::now());
+            if d.ack(BasicAckOptions::default()).await.is_err() {
+                break;
+            }
+        }
+        at
+    });
+
+    // A client that waits for nothing: it is closed too, not left on a node that serves no one.
+    let idle = connect(&c.nodes[leader].url()).await;
+    let _idle_channel = idle.create_channel().await.unwrap();
+    let mut idle_events = idle.events_listener();
+    let idle_closed = tokio::spawn(async move {
+        while let Some(e) = idle_events.next().await {
+            if let lapin::Event::Error(e) = e {
+                return Some(format!("{e:?}"));
+            }
+        }
+        None
+    });
+
+    let followers: Vec<usize> = (0..c.nodes.len()).filter(|&i| i != leader).collect();
+    for &i in &followers {
+        c.nodes[i].pause();
+    }
+    let cut = Instant::now();
+    let mut confirms = Vec::new();
+    for i in 0..20 {
+        match pch
+            .basic_publish(
+                "".into(),
+                "cut".into(),
+                BasicPublishOptions::default(),
+                format!("cut-{i}").as_bytes(),
+                persistent(),
+            )
+            .await
+        {
+            Ok(confirm) => confirms.push(confirm),
+            // The connection closed already.
+            Err(_) => break,
+        }
+    }
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    let declared = changes[0].queue_declare("cut-new".into(), durable, FieldTable::default());
+    let bound = changes[1].queue_bind(
+        "held".into(),
+        "amq.direct".into(),
+        "cut-key".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    );
+    let purged = changes[2].queue_purge("held".into(), QueuePurgeOptions::default());
+    let exchange = changes[3].exchange_declare(
+        "cut-x".into(),
+        lapin::ExchangeKind::Fanout,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    );
+    let within = Duration::from_secs(8);
+    let (declared, bound, purged, exchange) = tokio::time::timeout(within, async {
+        tokio::join!(declared, bound, purged, exchange)
+    })
+    .await
+    .expect("a durable change neither answered nor closed by the cut-off leader");
+    assert!(declared.is_err(), "queue.declare-ok from a cut-off leader");
+    assert!(bound.is_err(), "queue.bind-ok from a cut-off leader");
+    assert!(purged.is_err(), "queue.purge-ok from a cut-off leader");
+    assert!(
+        exchange.is_err(),
+        "exchange.declare-ok from a cut-off leader"
+    );
+    for (i, confirm) in confirms.into_iter().enumerate() {
+        let r = tokio::time::timeout(within, confirm)
+            .await
+            .unwrap_or_else(|_| panic!("cut-{i}: neither confirmed nor closed"));
+        assert!(
+            !r.is_ok_and(|c| c.is_ack()),
+            "cut-{i} was confirmed by a leader cut off from the majority"
+        );
+    }
+    let closed = tokio::time::timeout(within, closed_with)
+        .await
+        .expect("the publisher's connection reported no error")
+        .unwrap();
+    assert!(
+        closed
+            .as_deref()
+            .is_some_and(|e| e.contains("CONNECTIONFORCED")),
+        "the publisher's connection did not end with 320: {closed:?}"
+    );
+    let idle_closed = tokio::time::timeout(within, idle_closed)
+        .await
+        .expect("a client waiting for nothing was left open on the cut-off leader")
+        .unwrap();
+    assert!(
+        idle_closed
+            .as_deref()
+            .is_some_and(|e| e.contains("CONNECTIONFORCED")),
+        "the idle connection did not end with 320: {idle_closed:?}"
+    );
+    let closed_after = cut.elapsed();
+    // It says it does not serve; its consumer got nothing once its lease (300 ms) had run
+    // out (a second of slack for a loaded machine), and was closed too.
+    let s = c.nodes[leader].status().unwrap();
+    assert_eq!(s["serving"], false, "{s}");
+    let at = tokio::time::timeout(within, deliveries)
+        .await
+        .expect("the consumer's connection was not closed")
+        .unwrap();
+    let late: Vec<Duration> = at
+        .iter()
+        .filter(|t| **t > cut)
+        .map(|t| t.duration_since(cut))
+        .filter(|d| *d > Duration::from_millis(1300))
+        .collect();
+    assert!(
+        late.is_empty(),
+        "delivered after the lease ran out: {late:?}"
+    );
+    eprintln!(
+        "cut off: {} deliveries after the cut, all within {:?}; clients closed after {closed_after:?}",
+        at.iter().filter(|t| **t > cut).count(),
+        at.iter().filter(|t| **t > cut).map(|t| t.duration_since(cut)).max()
+    );
+
+    for &i in &followers {
+        c.nodes[i].resume();
+    }
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    publish_confirmed(&conn, "cut", 100, 1).await;
+}
