@@ -159,7 +159,7 @@ impl Node {
     }
 
     /// `GET path` on this node's HTTP port (None while it does not answer within 2 s).
-    fn http_get(&self, path: &str, auth: bool) -> Option<serde_json::Value> {
+    fn http_get(&self, path: &str, auth: bool, local: bool) -> Option<serde_json::Value> {
         let mut req = ureq::get(&format!("http://127.0.0.1:{}{path}", self.http))
             .config()
             .timeout_global(Some(Duration::from_secs(2)))
@@ -167,18 +167,29 @@ impl Node {
         if auth {
             req = req.header("Authorization", "Basic Z3Vlc3Q6Z3Vlc3Q=");
         }
+        if local {
+            // Marked as forwarded already: a follower answers from its own state instead of
+            // forwarding the request to the leader.
+            req = req.header("x-warren-proxied-by", "9");
+        }
         let mut r = req.call().ok()?;
         serde_json::from_str(&r.body_mut().read_to_string().ok()?).ok()
     }
 
     /// `GET /api/cluster` on this node (None while it does not answer).
     pub fn status(&self) -> Option<serde_json::Value> {
-        self.http_get("/api/cluster", false)
+        self.http_get("/api/cluster", false, false)
     }
 
-    /// `GET path` on this node's management API as guest.
+    /// `GET path` on this node's management API as guest (a follower forwards it to the
+    /// leader, as any client's).
     pub fn get(&self, path: &str) -> Option<serde_json::Value> {
-        self.http_get(path, true)
+        self.http_get(path, true, false)
+    }
+
+    /// `GET path` answered from this node's own state, leader or not.
+    pub fn get_local(&self, path: &str) -> Option<serde_json::Value> {
+        self.http_get(path, true, true)
     }
 }
 
@@ -515,13 +526,14 @@ pub async fn declare(conn: &Connection, queue: &str) {
     .unwrap();
 }
 
-/// Messages of `queue` on every live node's management API equal `n`, within `within`.
+/// Messages of `queue` in every live node's own state (not the leader's, to which a follower's
+/// API forwards) equal `n`, within `within`.
 pub async fn replicated(c: &Cluster, queue: &str, n: u64, within: Duration) {
     let deadline = Instant::now() + within;
     for node in c.nodes.iter().filter(|n| n.answers()) {
         loop {
             let count = node
-                .get(&format!("/api/queues/%2f/{queue}"))
+                .get_local(&format!("/api/queues/%2f/{queue}"))
                 .and_then(|q| q["messages"].as_u64());
             if count == Some(n) {
                 break;
@@ -741,6 +753,180 @@ async fn a_node_is_added_from_the_command_line_catches_up_and_is_removed() {
     // Removing a node that is not there is an error, said so.
     let (ok, out) = ctl(&c.nodes[leader], &["cluster", "remove", "9"]);
     assert!(!ok, "{out}");
+}
+
+/// Issue 15 point 1: a node added as a learner (`warren ctl cluster add --learner`) gets the
+/// log but has no say: with both followers down the leader commits nothing, however up to
+/// date the learner is. Promoted through the HTTP API (`POST /api/cluster/nodes`), it is a
+/// voter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_gets_the_log_but_no_say_until_promoted_over_http() {
+    let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "100"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "learn").await;
+    publish_confirmed(&conn, "learn", 0, 50).await;
+
+    let extra = c.start_extra();
+    let raft = format!("127.0.0.1:{}", c.nodes[extra].raft);
+    let (ok, out) = ctl(
+        &c.nodes[leader],
+        &["cluster", "add", "4", &raft, "--learner"],
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("added as a learner"), "{out}");
+    let s = c.nodes[leader].status().unwrap();
+    let four = s["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == 4)
+        .cloned()
+        .unwrap_or_else(|| panic!("node 4 not in the membership: {s}"));
+    assert_eq!(four["membership"], "learner", "{s}");
+    let deadline = Instant::now() + WAIT;
+    while c.nodes[extra]
+        .status()
+        .is_none_or(|s| s["role"] != "learner")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "node 4 does not say it is a learner: {:?}",
+            c.nodes[extra].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    publish_confirmed(&conn, "learn", 50, 10).await;
+    replicated(&c, "learn", 60, WAIT).await;
+
+    // Both followers down: the leader and the learner are no majority of the three voters.
+    let followers: Vec<usize> = (0..3).filter(|&i| i != leader).collect();
+    for &i in &followers {
+        c.nodes[i].kill();
+    }
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirmed = match ch
+        .basic_publish(
+            "".into(),
+            "learn".into(),
+            BasicPublishOptions::default(),
+            b"no-majority",
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+    {
+        Ok(confirm) => tokio::time::timeout(Duration::from_secs(3), confirm)
+            .await
+            .is_ok_and(|r| r.is_ok_and(|c| c.is_ack())),
+        Err(_) => false,
+    };
+    assert!(!confirmed, "confirmed with only the leader and a learner");
+    drop(conn);
+
+    // The followers back, the learner promoted through the API: four voters.
+    for &i in &followers {
+        c.restart(i);
+    }
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let body = format!(r#"{{"id":4,"raft":"{raft}","voter":true}}"#);
+    let (status, text) = http_call(
+        &c.nodes[leader],
+        "POST",
+        "/api/cluster/nodes",
+        Some(&body),
+        &[],
+    );
+    assert!((200..300).contains(&status), "{status} {text}");
+    let s = c.nodes[leader].status().unwrap();
+    let nodes = s["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4, "{s}");
+    assert!(nodes.iter().all(|n| n["membership"] == "voter"), "{s}");
+    let conn = connect(&c.nodes[leader].url()).await;
+    publish_confirmed(&conn, "learn", 60, 10).await;
+}
+
+/// Issue 15 point 3: every message of a quorum queue is replicated, transient ones included,
+/// and survives the leader's SIGKILL; a classic queue's transient messages stay on the leader
+/// and are gone with it (as a classic queue's with its node in RabbitMQ, and as the README
+/// says), while its persistent ones are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_messages_survive_a_failover_in_a_quorum_queue_only() {
+    let mut c = Cluster::start_with(3, &["--raft-heartbeat-ms", "100"]);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    ch.queue_declare(
+        "quorum".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    declare(&conn, "classic").await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for (queue, mode, n) in [("quorum", 1, 20), ("classic", 1, 20), ("classic", 2, 5)] {
+        for i in 0..n {
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions::default(),
+                    format!("{queue}-{mode}-{i}").as_bytes(),
+                    BasicProperties::default().with_delivery_mode(mode),
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+    }
+    replicated(&c, "quorum", 20, WAIT).await;
+    drop(conn);
+
+    c.nodes[leader].kill();
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    let ch = conn.create_channel().await.unwrap();
+    let count = |q: &'static str| {
+        let ch = ch.clone();
+        async move {
+            ch.queue_declare(
+                q.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+        }
+    };
+    assert_eq!(
+        count("quorum").await,
+        20,
+        "the quorum queue's transient messages"
+    );
+    assert_eq!(
+        count("classic").await,
+        5,
+        "a classic queue after failover: its 5 persistent messages, none of its transient ones"
+    );
 }
 
 /// Publish `n` confirmed messages one at a time: `n` log entries.
