@@ -20,11 +20,13 @@ ensure_system_packages() {
     fi
 }
 
-# What only the tests need: libfaketime (a node's wall clock jumps in tests/amqp/cluster_faults.rs)
-# and the openssl command (compat/test_tls.py makes its certificates with it).
+# What only the tests need: libfaketime (a node's wall clock jumps in tests/amqp/cluster_faults.rs),
+# strace (holds up a node's fsyncs there, to show confirms and votes wait for them) and the
+# openssl command (compat/test_tls.py makes its certificates with it).
 ensure_test_packages() {
     local missing=()
     [ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 ] || missing+=(faketime)
+    command -v strace >/dev/null 2>&1 || missing+=(strace)
     command -v openssl >/dev/null 2>&1 || missing+=(openssl)
     if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ]; then
