@@ -132,15 +132,15 @@ def test_api_queue_argument_key_over_255_bytes_is_accepted():
 # 3. trailing slashes in the management API
 # --------------------------------------------------------------------------
 
-# Endpoints Warren's management API does not serve yet (the rest of the API is on the roadmap:
-# users and permissions come with issue 14, nodes with the cluster): checked on RabbitMQ only.
+# Endpoints Warren's management API does not serve yet (the rest of the API is on the roadmap):
+# checked on RabbitMQ only.
 NOT_YET = pytest.mark.skipif(WARREN, reason="endpoint not served by Warren yet")
 
 
 @pytest.mark.parametrize("path", [
     "/api/overview", "/api/connections", pytest.param("/api/channels", marks=NOT_YET),
     "/api/queues", "/api/queues/%2F", "/api/exchanges", "/api/exchanges/%2F", "/api/bindings",
-    "/api/vhosts", "/api/vhosts/%2F", "/api/whoami", pytest.param("/api/nodes", marks=NOT_YET),
+    "/api/vhosts", "/api/vhosts/%2F", "/api/whoami", "/api/nodes",
     "/api/users", "/api/permissions",
     "/api/exchanges/%2F/amq.direct",
 ])

@@ -16,7 +16,7 @@ import urllib.request
 import pika
 import pytest
 
-from helpers import PASSWORD, USER, make_params, open_connection, unique
+from helpers import PASSWORD, USER, WARREN, make_params, open_connection, unique
 
 MANAGEMENT_URL = os.environ.get("MANAGEMENT_URL", "http://127.0.0.1:15672")
 
@@ -98,6 +98,23 @@ def test_overview_counts_objects():
         assert {"messages", "messages_ready", "messages_unacknowledged"} <= set(body["queue_totals"])
     finally:
         c.close()
+
+
+def test_nodes_list_this_node_running():
+    status, nodes, _ = api("GET", "/api/nodes")
+    assert status == 200 and len(nodes) >= 1
+    for n in nodes:
+        assert {"name", "type", "running"} <= set(n), n
+    assert any(n["running"] for n in nodes)
+
+
+@pytest.mark.skipif(not WARREN, reason="Warren's cluster status endpoint")
+def test_a_single_node_reports_no_cluster():
+    # Issue 15: with no cluster settings a node runs no Raft; its status says so.
+    status, s, _ = api("GET", "/api/cluster", user=None)
+    assert status == 200
+    assert s["role"] == "single" and s["serving"] is True, s
+    assert s["node_id"] is None and s["leader_id"] is None and s["nodes"] == [], s
 
 
 def test_whoami_and_vhosts():

@@ -744,12 +744,38 @@ async fn a_node_is_added_from_the_command_line_catches_up_and_is_removed() {
     assert!(out.contains("is follower"), "{out}");
     assert!(out.contains(&raft), "{out}");
 
-    // Removed: the others go on as three.
+    // Removed: the others go on as three; the removed node serves no one: once no leader
+    // reaches it any more (a lease after its removal) its clients are refused.
     let (ok, out) = ctl(&c.nodes[follower], &["cluster", "remove", "4"]);
     assert!(ok, "{out}");
     let s = c.nodes[leader].status().unwrap();
     assert_eq!(s["nodes"].as_array().unwrap().len(), 3, "{s}");
     publish_confirmed(&conn, "before", 310, 10).await;
+    let s = c.nodes[extra].status().unwrap();
+    assert_ne!(s["serving"], true, "{s}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = tokio::time::timeout(
+            Duration::from_secs(20),
+            Connection::connect(&c.nodes[extra].url(), ConnectionProperties::default()),
+        )
+        .await
+        .expect("a client of the removed node waited");
+        match r {
+            Err(e) => {
+                let err = format!("{e:?}");
+                assert!(err.contains("CONNECTIONFORCED"), "{err}");
+                break;
+            }
+            // Handed to the leader while it still heard from it.
+            Ok(conn) => drop(conn),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the removed node still hands clients on"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     // Removing a node that is not there is an error, said so.
     let (ok, out) = ctl(&c.nodes[leader], &["cluster", "remove", "9"]);
     assert!(!ok, "{out}");
@@ -1208,6 +1234,35 @@ async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes()
     publish_confirmed(&conn, "old", 0, 50).await;
     drop(conn);
     drop(single);
+
+    // Started with other peers, it is refused: its data would be the first snapshot of a
+    // cluster whose other members know nothing of it.
+    let port = |_| free_port();
+    let (raft, amqp, http): (Vec<u16>, u16, u16) =
+        ((0..3).map(port).collect(), free_port(), free_port());
+    let peers = format!(
+        "1=127.0.0.1:{},2=127.0.0.1:{},3=127.0.0.1:{}",
+        raft[0], raft[1], raft[2]
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+            .args(["server", "--node-id", "1", "--peers", &peers])
+            .args(["--raft-listen", &format!("127.0.0.1:{}", raft[0])])
+            .args(["--amqp-listen", &format!("127.0.0.1:{amqp}")])
+            .args(["--management-listen", &format!("127.0.0.1:{http}")])
+            .arg("--data-dir")
+            .arg(&data)
+            .env("WARREN_LOG", "warn")
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("a single node's folder started with other peers kept running")
+    .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("holds the data of a single node"), "{said}");
 
     // The same folder as node 1 of a cluster of one: it leads, with its data as the first
     // snapshot; two new nodes are added and get it.
