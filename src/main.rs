@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use tracing_subscriber::EnvFilter;
 
+mod config_file;
+
 /// mimalloc rather than glibc's malloc: per-message allocations are cheaper, and freed large
 /// bodies (1 MiB messages) are reused instead of being returned to the OS and faulted in again
 /// (measured in the README's S1/S6 rows).
@@ -41,6 +43,11 @@ enum Command {
 
 #[derive(clap::Args, Debug, Clone)]
 struct ServerArgs {
+    /// A TOML file of settings, one per option with the option's name (amqp-listen =
+    /// "127.0.0.1:5672", node-id = 1, [peers] with 1 = "HOST:PORT" lines, ...). An option
+    /// given on the command line or by its environment variable wins over the file.
+    #[arg(long, env = "WARREN_CONFIG")]
+    config: Option<PathBuf>,
     /// Address to accept AMQP connections on. The default, [::]:5672, takes IPv4 and IPv6
     /// clients alike, as RabbitMQ does (IPv4 only where the host has no IPv6).
     #[arg(long, env = "WARREN_AMQP_LISTEN", default_value = "[::]:5672")]
@@ -172,7 +179,14 @@ struct ServerArgs {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = {
+        use clap::CommandFactory;
+        let command = Cli::command();
+        let server = command
+            .find_subcommand("server")
+            .ok_or_else(|| anyhow::anyhow!("no server command"))?;
+        Cli::parse_from(config_file::expand(std::env::args_os().collect(), server)?)
+    };
     warren::memory::set_meter(allocated);
     {
         use tracing_subscriber::prelude::*;
@@ -217,6 +231,9 @@ fn quiet_rpc_errors() -> tracing_subscriber::filter::FilterFn {
 }
 
 async fn serve(args: ServerArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.config {
+        tracing::info!(file = %file.display(), "settings read from the config file");
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating data folder {}", args.data_dir.display()))?;
     let config = warren::Config {

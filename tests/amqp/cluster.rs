@@ -2133,3 +2133,88 @@ async fn a_follower_whose_leader_drops_connections_refuses_its_client_in_seconds
         asked.elapsed()
     );
 }
+
+/// A config file (`--config`, TOML) says what the options say (issue 15: "a config file may
+/// say the same"): a cluster of one formed from the file's node-id, raft-listen and peers
+/// table, with the file's heartbeat offered to clients; an option on the command line wins
+/// over the file; an unknown setting stops the start, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_config_file_says_what_the_options_say() {
+    let dir = tempfile::tempdir().unwrap();
+    let (raft, http) = (free_port(), free_port());
+    let file = dir.path().join("warren.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "node-id = 1\nraft_listen = \"127.0.0.1:{raft}\"\nheartbeat = 17\n\n[peers]\n\
+             1 = \"127.0.0.1:{raft}\"\n"
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let file_arg = file.to_str().unwrap();
+    let api = format!("127.0.0.1:{http}");
+    let node =
+        super::common::spawn_binary(&data, &["--config", file_arg, "--management-listen", &api])
+            .await;
+    let port: u16 = node
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        let s = super::common::http_request(http, "GET", "/api/cluster", None, &[]);
+        if s.0 == 200 && s.1.contains("\"serving\":true") {
+            break s.1;
+        }
+        assert!(Instant::now() < deadline, "no cluster of one: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let s: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(s["node_id"], 1, "{s}");
+    assert_eq!(s["role"], "leader", "{s}");
+    assert_eq!(
+        s["nodes"][0]["raft"].as_str(),
+        Some(format!("127.0.0.1:{raft}").as_str()),
+        "{s}"
+    );
+    let (_raw, tune, _) = super::common::Raw::handshake_with(addr, 0, 0, 17).await;
+    assert_eq!(tune.heartbeat, 17, "the file's heartbeat");
+    drop(node);
+
+    // The command line wins.
+    let node =
+        super::common::spawn_binary(&data, &["--config", file_arg, "--heartbeat", "9"]).await;
+    let port: u16 = node
+        .url
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (_raw, tune, _) = super::common::Raw::handshake_with(addr, 0, 0, 9).await;
+    assert_eq!(tune.heartbeat, 9, "the command line's heartbeat");
+    drop(node);
+
+    // An unknown setting: no start, the setting and the file named.
+    std::fs::write(&file, "amqp-port = 5672\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_warren"))
+        .args(["server", "--config", file_arg])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("unknown setting \"amqp-port\""), "{said}");
+    assert!(said.contains(file_arg), "{said}");
+}
