@@ -359,10 +359,14 @@ mod tests {
     /// The write-ahead-log files' bytes in `dir`. A file RocksDB deletes between the listing
     /// and its size counts nothing (CI once saw one go in that instant).
     fn wal_bytes(dir: &Path) -> u64 {
+        bytes_of(dir, ".log")
+    }
+
+    fn bytes_of(dir: &Path, suffix: &str) -> u64 {
         std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap())
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+            .filter(|e| e.file_name().to_string_lossy().ends_with(suffix))
             .map(|e| match e.metadata() {
                 Ok(m) => m.len(),
                 Err(err) if err.kind() == std::io::ErrorKind::NotFound => 0,
@@ -400,6 +404,43 @@ mod tests {
             db.last().unwrap().map(|(i, _)| i),
             Some(total / body.len() as u64)
         );
+    }
+
+    #[test]
+    fn purged_entries_leave_the_disk() {
+        // Incompressible entries (as bodies of random bytes are), purged behind the last few
+        // as openraft does behind snapshots: the table files the memtables were flushed to go
+        // too, not only the write-ahead log.
+        let dir = tempfile::tempdir().unwrap();
+        let db = RaftLogDb::open(dir.path()).unwrap();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut body = vec![0u8; 256 * 1024];
+        let total = 8 * WAL_BYTES;
+        let n = total / body.len() as u64;
+        for i in 1..=n {
+            for chunk in body.chunks_mut(8) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                chunk.copy_from_slice(&state.to_le_bytes()[..chunk.len()]);
+            }
+            db.append(&[(i, body.as_slice())]).unwrap();
+            if i % 128 == 0 {
+                db.purge(i - 8).unwrap();
+            }
+        }
+        db.purge(n - 8).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let limit = 3 * WAL_BYTES;
+        while bytes_of(dir.path(), ".sst") > limit && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let left = bytes_of(dir.path(), ".sst");
+        assert!(
+            left <= limit,
+            "{left} bytes of table files kept after {total} appended and all but 8 entries purged"
+        );
+        assert_eq!(db.first().unwrap(), Some(n - 7));
     }
 
     #[test]
