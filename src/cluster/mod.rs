@@ -418,6 +418,18 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
         let grace = std::time::Duration::from_millis(2 * lease_ms(cfg.heartbeat_ms));
         tokio::spawn(elections(rep.clone(), raft.clone(), grace));
     }
+    // openraft's metrics hold an empty state until its core has run once: a handshake
+    // answered before that (a peer's probe, `may_join`) would say this node belongs to no
+    // formed cluster and records no one. A wiped member that asked a restarting member in
+    // that instant took it for a cluster still forming, formed one, and voted the stale
+    // member in (CI saw it). The first report comes as soon as the core runs.
+    {
+        let mut metrics = raft.metrics();
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), metrics.changed());
+        if !matches!(first.await, Ok(Ok(()))) {
+            warn!("openraft reported no state within 10 s of its start");
+        }
+    }
     // A node whose log is new answers nothing but handshakes until it knows it may take part
     // (`may_join`): no vote, pre-vote or entry.
     let undecided = Arc::new(std::sync::atomic::AtomicBool::new(never_joined));

@@ -737,6 +737,57 @@ async fn a_node_started_with_another_member_list_is_refused() {
     eprintln!("member list: the stranger's view: {s}");
 }
 
+/// Issue 15 point 10, a member this time: a follower restarted with another member list is
+/// refused by the others (and says so), takes no part (the leader and the other follower go
+/// on confirming), and, started again with the cluster's list, catches up with everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_restarted_with_another_member_list_is_refused_and_loses_nothing() {
+    let mut c = Cluster::start_logged(3);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let (term, leader_id) = term_and_leader(&c);
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "listed").await;
+    publish_confirmed(&conn, "listed", 0, 50).await;
+    replicated(&c, "listed", 50, WAIT).await;
+
+    let f = (leader + 1) % 3;
+    c.nodes[f].kill();
+    let mut node = std::mem::replace(&mut c.nodes[f], Node::new(9));
+    let peers = format!("{},4=127.0.0.1:{}", c.peers(), Node::new(4).raft);
+    c.spawn_with(&mut node, &peers, "");
+    let ours = warren::cluster::cluster_id(&warren::config::parse_peers(c.peers()).unwrap());
+    let theirs = warren::cluster::cluster_id(&warren::config::parse_peers(&peers).unwrap());
+    let reason = format!("cluster id {theirs:?} is not this node's cluster {ours:?}");
+    let line = c.nodes[leader]
+        .log_line(&["refused the connection from", &reason], WAIT)
+        .await
+        .unwrap_or_else(|| panic!("the leader did not refuse: {}", c.nodes[leader].log_text()));
+    eprintln!("another member list: the leader: {line}");
+    node.log_line(&["refused our connection", &reason], WAIT)
+        .await
+        .unwrap_or_else(|| panic!("the member was not told: {}", node.log_text()));
+    // The other two go on: same leader and term, confirms.
+    publish_confirmed(&conn, "listed", 50, 50).await;
+    assert_eq!(term_and_leader(&c).1, leader_id);
+    let s = node.status().expect("the member answers /api/cluster");
+    assert_ne!(s["serving"], true, "{s}");
+    assert!(
+        s["applied_index"].as_u64().unwrap_or(0)
+            < c.nodes[leader].status().unwrap()["applied_index"]
+                .as_u64()
+                .unwrap(),
+        "it got the newer entries: {s}"
+    );
+
+    // With the cluster's list again it catches up, and nothing was lost.
+    node.kill();
+    c.nodes[f] = node;
+    c.restart(f);
+    replicated(&c, "listed", 100, WAIT).await;
+    assert_eq!(c.leader(WAIT).await, leader);
+    assert_eq!(term_and_leader(&c), (term, leader_id));
+}
+
 /// The body of a `Request::Hello` (postcard: variant 0, then the struct).
 fn hello_frame(hello: &warren::cluster::net::Hello) -> Vec<u8> {
     let mut body = vec![0u8];
