@@ -2137,7 +2137,8 @@ async fn a_follower_whose_leader_drops_connections_refuses_its_client_in_seconds
 /// A config file (`--config`, TOML) says what the options say (issue 15: "a config file may
 /// say the same"): a cluster of one formed from the file's node-id, raft-listen and peers
 /// table, with the file's heartbeat offered to clients; an option on the command line wins
-/// over the file; an unknown setting stops the start, naming it.
+/// over the file; environment variables form a cluster of one too; an unknown setting stops
+/// the start, naming it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_config_file_says_what_the_options_say() {
     let dir = tempfile::tempdir().unwrap();
@@ -2205,6 +2206,35 @@ async fn the_config_file_says_what_the_options_say() {
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let (_raw, tune, _) = super::common::Raw::handshake_with(addr, 0, 0, 9).await;
     assert_eq!(tune.heartbeat, 9, "the command line's heartbeat");
+    drop(node);
+
+    // The environment says the same (WARREN_NODE_ID, WARREN_RAFT_LISTEN, WARREN_PEERS).
+    let env_raft = free_port();
+    let env_http = free_port();
+    let peers = format!("1=127.0.0.1:{env_raft}");
+    let node = super::common::spawn_binary_env(
+        &dir.path().join("env-data"),
+        &["--management-listen", &format!("127.0.0.1:{env_http}")],
+        &[
+            ("WARREN_NODE_ID", "1"),
+            ("WARREN_RAFT_LISTEN", &format!("127.0.0.1:{env_raft}")),
+            ("WARREN_PEERS", &peers),
+        ],
+    )
+    .await;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let s = super::common::http_request(env_http, "GET", "/api/cluster", None, &[]);
+        if s.0 == 200 && s.1.contains("\"serving\":true") {
+            assert!(s.1.contains("\"role\":\"leader\""), "{s:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no cluster of one from the environment: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(node);
 
     // An unknown setting: no start, the setting and the file named.
