@@ -119,6 +119,29 @@ impl Node {
         }
     }
 
+    /// The process's exit status once it has ended, within `within`; panics with `what()`
+    /// if it is still running then.
+    pub async fn exits(
+        &mut self,
+        within: Duration,
+        what: impl Fn() -> String,
+    ) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self
+                .child
+                .as_mut()
+                .expect("a started node")
+                .try_wait()
+                .unwrap()
+            {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{}", what());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Running and not paused: it answers (a paused node would only time out).
     pub fn answers(&self) -> bool {
         self.child.is_some() && !self.paused
@@ -955,6 +978,22 @@ async fn transient_messages_survive_a_failover_in_a_quorum_queue_only() {
     );
 }
 
+/// Wait until the leader's membership records every node's incarnation (each node's, once
+/// it has announced itself).
+async fn incarnations_recorded(c: &Cluster, leader: usize) {
+    let deadline = Instant::now() + WAIT;
+    while !c.nodes[leader].status().is_some_and(|s| {
+        s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["incarnation"].as_u64().unwrap_or(0) != 0)
+    }) {
+        assert!(Instant::now() < deadline, "incarnations not recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Publish `n` confirmed messages one at a time: `n` log entries.
 async fn publish_one_by_one(conn: &Connection, queue: &str, from: u32, n: u32) {
     for i in from..from + n {
@@ -1073,17 +1112,7 @@ async fn a_member_whose_data_was_wiped_refuses_to_start_until_removed_and_added_
     let wiped = (leader + 1) % 3;
     let id = c.nodes[wiped].id;
     // The members record each node's incarnation once it has announced itself.
-    let deadline = Instant::now() + WAIT;
-    while !c.nodes[leader].status().is_some_and(|s| {
-        s["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|n| n["incarnation"].as_u64().unwrap_or(0) != 0)
-    }) {
-        assert!(Instant::now() < deadline, "incarnations not recorded");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    incarnations_recorded(&c, leader).await;
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "kept").await;
     publish_confirmed(&conn, "kept", 0, 100).await;
@@ -1092,14 +1121,9 @@ async fn a_member_whose_data_was_wiped_refuses_to_start_until_removed_and_added_
     c.nodes[wiped].kill();
     std::fs::remove_dir_all(c.dir.path().join(format!("n{id}"))).unwrap();
     c.restart(wiped);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(s) = c.nodes[wiped].child.as_mut().unwrap().try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "a wiped member started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = c.nodes[wiped]
+        .exits(Duration::from_secs(10), || "a wiped member started".into())
+        .await;
     assert!(!status.success());
     let log = c.nodes[wiped].log_text();
     assert!(
@@ -1148,17 +1172,7 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
     let leader = c.leader(Duration::from_secs(20)).await;
     let (stale, wiped) = ((leader + 1) % 3, (leader + 2) % 3);
     let wiped_id = c.nodes[wiped].id;
-    let deadline = Instant::now() + WAIT;
-    while !c.nodes[leader].status().is_some_and(|s| {
-        s["nodes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|n| n["incarnation"].as_u64().unwrap_or(0) != 0)
-    }) {
-        assert!(Instant::now() < deadline, "incarnations not recorded");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    incarnations_recorded(&c, leader).await;
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "two-of-three").await;
     publish_confirmed(&conn, "two-of-three", 0, 10).await;
@@ -1189,19 +1203,18 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
     // The stale follower comes back: the wiped node learns from it that it was a member,
     // and stops, saying how to re-add it. The stale follower gets no vote from it.
     c.restart(stale);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let status = loop {
-        if let Some(s) = c.nodes[wiped].child.as_mut().unwrap().try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the wiped member went on beside the stale one: {:?}\n{}",
-            c.nodes[stale].status(),
-            c.nodes[wiped].log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let stale_node = std::mem::replace(&mut c.nodes[stale], Node::placeholder());
+    let wiped_log = c.log_path(wiped_id);
+    let status = c.nodes[wiped]
+        .exits(Duration::from_secs(15), || {
+            format!(
+                "the wiped member went on beside the stale one: {:?}\n{}",
+                stale_node.status(),
+                std::fs::read_to_string(&wiped_log).unwrap_or_default()
+            )
+        })
+        .await;
+    c.nodes[stale] = stale_node;
     assert!(!status.success());
     let log = c.nodes[wiped].log_text();
     assert!(
@@ -1305,17 +1318,11 @@ async fn a_grown_node_stopped_before_its_first_snapshot_makes_it_when_it_starts_
     let blocker = data.join("raft-snapshot");
     std::fs::write(&blocker, b"not a folder").unwrap();
     let mut c = Cluster::start_in(dir, 1, &[], true);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = c.nodes[0].child.as_mut().unwrap().try_wait().unwrap() {
-            break st;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "it started without its snapshot folder"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let status = c.nodes[0]
+        .exits(Duration::from_secs(20), || {
+            "it started without its snapshot folder".into()
+        })
+        .await;
     assert!(!status.success());
     assert!(data.join("raft").exists());
     std::fs::remove_file(&blocker).unwrap();
@@ -2158,17 +2165,7 @@ async fn the_config_file_says_what_the_options_say() {
     let node =
         super::common::spawn_binary(&data, &["--config", file_arg, "--management-listen", &api])
             .await;
-    let port: u16 = node
-        .url
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let addr = node.addr();
     let deadline = Instant::now() + WAIT;
     let status = loop {
         let s = super::common::http_request(http, "GET", "/api/cluster", None, &[]);
@@ -2193,17 +2190,7 @@ async fn the_config_file_says_what_the_options_say() {
     // The command line wins.
     let node =
         super::common::spawn_binary(&data, &["--config", file_arg, "--heartbeat", "9"]).await;
-    let port: u16 = node
-        .url
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let addr = node.addr();
     let (_raw, tune, _) = super::common::Raw::handshake_with(addr, 0, 0, 9).await;
     assert_eq!(tune.heartbeat, 9, "the command line's heartbeat");
     drop(node);

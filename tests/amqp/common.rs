@@ -443,6 +443,20 @@ pub struct Binary {
     pub url: String,
 }
 
+impl Binary {
+    /// The AMQP address of its URL (amqp://guest:guest@127.0.0.1:PORT/%2f).
+    pub fn addr(&self) -> SocketAddr {
+        let port: u16 = self
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.split('/').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {}", self.url));
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+}
+
 impl Drop for Binary {
     /// A test that fails half-way must not leave a broker running (it would hold its port,
     /// its data folder, and whatever descriptors it inherited, such as a build lock).

@@ -311,17 +311,7 @@ async fn connections_past_the_descriptor_budget_are_refused_and_the_store_keeps_
     const LIMIT: u64 = 160;
     let dir = tempfile::tempdir().unwrap();
     let mut b = spawn_limited(dir.path(), LIMIT).await;
-    // amqp://guest:guest@127.0.0.1:PORT/%2f
-    let port: u16 = b
-        .url
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = b.addr().port();
     let (conn, ch) = confirming(&b.url, "budget").await;
     let mut held = Vec::new();
     let mut refused = 0;
