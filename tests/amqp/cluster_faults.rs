@@ -1685,6 +1685,35 @@ async fn a_leader_whose_disk_fills_stops_and_nothing_confirmed_is_lost() {
     replicated(&c, "fill", 100, Duration::from_secs(60)).await;
 }
 
+/// The first error `conn` reports (its end, when the server closes it), from a task.
+fn first_error(conn: &Connection) -> tokio::task::JoinHandle<Option<String>> {
+    let mut events = conn.events_listener();
+    tokio::spawn(async move {
+        while let Some(e) = events.next().await {
+            if let lapin::Event::Error(e) = e {
+                return Some(format!("{e:?}"));
+            }
+        }
+        None
+    })
+}
+
+/// The connection watched by `first_error` ends with 320 within `within`.
+async fn ended_with_320(
+    error: tokio::task::JoinHandle<Option<String>>,
+    within: Duration,
+    what: &str,
+) {
+    let e = tokio::time::timeout(within, error)
+        .await
+        .unwrap_or_else(|_| panic!("{what} was left open"))
+        .unwrap();
+    assert!(
+        e.as_deref().is_some_and(|e| e.contains("CONNECTIONFORCED")),
+        "{what} did not end with 320: {e:?}"
+    );
+}
+
 /// Issue 15 points 3 and 7, with the leader running: cut off from the majority (both
 /// followers frozen), it confirms nothing, answers no durable declare, bind or purge, stops
 /// delivering within its lease, closes its clients with 320 and says it does not serve; with
@@ -1694,15 +1723,7 @@ async fn a_leader_cut_off_from_the_majority_confirms_nothing_and_closes_its_clie
     let mut c = Cluster::start_logged(3);
     let leader = c.leader(Duration::from_secs(20)).await;
     let conn = connect(&c.nodes[leader].url()).await;
-    let mut events = conn.events_listener();
-    let closed_with = tokio::spawn(async move {
-        while let Some(e) = events.next().await {
-            if let lapin::Event::Error(e) = e {
-                return Some(format!("{e:?}"));
-            }
-        }
-        None
-    });
+    let closed_with = first_error(&conn);
     declare(&conn, "cut").await;
     declare(&conn, "held").await;
     publish_confirmed(&conn, "held", 0, 200).await;
@@ -1747,15 +1768,7 @@ async fn a_leader_cut_off_from_the_majority_confirms_nothing_and_closes_its_clie
     // A client that waits for nothing: it is closed too, not left on a node that serves no one.
     let idle = connect(&c.nodes[leader].url()).await;
     let _idle_channel = idle.create_channel().await.unwrap();
-    let mut idle_events = idle.events_listener();
-    let idle_closed = tokio::spawn(async move {
-        while let Some(e) = idle_events.next().await {
-            if let lapin::Event::Error(e) = e {
-                return Some(format!("{e:?}"));
-            }
-        }
-        None
-    });
+    let idle_closed = first_error(&idle);
 
     let followers: Vec<usize> = (0..c.nodes.len()).filter(|&i| i != leader).collect();
     for &i in &followers {
@@ -1823,26 +1836,13 @@ async fn a_leader_cut_off_from_the_majority_confirms_nothing_and_closes_its_clie
             "cut-{i} was confirmed by a leader cut off from the majority"
         );
     }
-    let closed = tokio::time::timeout(within, closed_with)
-        .await
-        .expect("the publisher's connection reported no error")
-        .unwrap();
-    assert!(
-        closed
-            .as_deref()
-            .is_some_and(|e| e.contains("CONNECTIONFORCED")),
-        "the publisher's connection did not end with 320: {closed:?}"
-    );
-    let idle_closed = tokio::time::timeout(within, idle_closed)
-        .await
-        .expect("a client waiting for nothing was left open on the cut-off leader")
-        .unwrap();
-    assert!(
-        idle_closed
-            .as_deref()
-            .is_some_and(|e| e.contains("CONNECTIONFORCED")),
-        "the idle connection did not end with 320: {idle_closed:?}"
-    );
+    ended_with_320(closed_with, within, "the publisher's connection").await;
+    ended_with_320(
+        idle_closed,
+        within,
+        "an idle connection on the cut-off leader",
+    )
+    .await;
     let closed_after = cut.elapsed();
     // It says it does not serve; its consumer got nothing once its lease (300 ms) had run
     // out (a second of slack for a loaded machine), and was closed too.
