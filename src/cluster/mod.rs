@@ -433,6 +433,10 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
     // A node whose log is new answers nothing but handshakes until it knows it may take part
     // (`may_join`): no vote, pre-vote or entry.
     let undecided = Arc::new(std::sync::atomic::AtomicBool::new(never_joined));
+    let formed_with = Arc::new(parking_lot::Mutex::new(
+        log.get_meta_json::<BTreeMap<NodeId, u64>>(FORMED_WITH)?
+            .unwrap_or_default(),
+    ));
     tokio::spawn(net::serve_as(
         listener,
         raft.clone(),
@@ -444,13 +448,20 @@ pub async fn start(shared: Arc<Shared>) -> anyhow::Result<()> {
             heard: rep.heard.clone(),
             log: Some(log.clone()),
             undecided: undecided.clone(),
+            formed_with: formed_with.clone(),
         },
     ));
     info!(node_id = rep.me, raft = %cfg.raft_listen, cluster = %rep.cluster_id, "Raft started");
     if never_joined {
         // In a task of its own: the node serves its API meanwhile (its status says it leads
         // nothing), however long the other members stay away.
-        tokio::spawn(join(rep.clone(), raft.clone(), cfg, incarnation, undecided));
+        let joining = Joining {
+            incarnation,
+            undecided,
+            formed_with,
+            log: log.clone(),
+        };
+        tokio::spawn(join(rep.clone(), raft.clone(), cfg, joining));
     }
     if grows {
         tokio::spawn(first_snapshot(rep.clone(), raft.clone()));
@@ -599,18 +610,27 @@ async fn join(
     rep: Arc<Replication>,
     raft: Raft,
     cfg: crate::config::ClusterConfig,
-    own: u64,
-    undecided: Arc<std::sync::atomic::AtomicBool>,
+    joining: Joining,
 ) {
-    let formed_elsewhere = match may_join(&rep, &cfg, own).await {
-        Ok(formed) => formed,
+    let decided = match may_join(&rep, &cfg, joining.incarnation).await {
+        Ok(Joins::Formed) => None,
+        Ok(Joins::Forms(fresh)) => Some(fresh),
         Err(e) => {
             error!("{e:#}");
             std::process::exit(1);
         }
     };
-    undecided.store(false, Ordering::Release);
-    if !cfg.peers.contains_key(&rep.me) || formed_elsewhere {
+    if let Some(fresh) = &decided {
+        // Kept before the cluster forms: a peer that answered as new asks again later and is
+        // told it may join (vouched), whatever other member is down then.
+        if let Err(e) = joining.log.put_meta_json(FORMED_WITH, fresh, true) {
+            error!("raft: recording the peers this node forms the cluster with: {e}");
+            std::process::exit(1);
+        }
+        joining.formed_with.lock().clone_from(fresh);
+    }
+    joining.undecided.store(false, Ordering::Release);
+    if !cfg.peers.contains_key(&rep.me) || decided.is_none() {
         info!(
             node_id = rep.me,
             "not an initial member (--peers does not list it), or the cluster formed without \
@@ -643,51 +663,100 @@ async fn join(
     }
 }
 
+/// What `join` needs of the node it starts.
+struct Joining {
+    /// The incarnation its log holds.
+    incarnation: u64,
+    /// Set while it takes no part (see `net::Local::undecided`).
+    undecided: Arc<std::sync::atomic::AtomicBool>,
+    /// See `net::Local::formed_with`.
+    formed_with: Arc<parking_lot::Mutex<BTreeMap<NodeId, u64>>>,
+    log: log_store::LogStore,
+}
+
+/// The log store's record of the peers (and their incarnations) that answered this node as
+/// nodes whose log is new when it formed the cluster: `net::Local::formed_with`.
+const FORMED_WITH: &str = "formed_with";
+
+/// What `may_join` found.
+#[derive(Debug)]
+enum Joins {
+    /// A formed cluster takes this node in.
+    Formed,
+    /// The cluster forms now, with the peers (id, incarnation) that answered as new.
+    Forms(BTreeMap<NodeId, u64>),
+}
+
 /// How long a node whose log is new waits between two rounds of probes of its peers.
 const JOIN_PROBE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// No amnesiac votes: whether a node whose Raft log is new (`own`: the incarnation its log
 /// holds, drawn when the log was made; it tells its peers in its handshakes, and a leader may
-/// have recorded it meanwhile) may take part, decided from what its `--peers` answer:
+/// have recorded it meanwhile) may take part, decided from what its `--peers` (and the voters
+/// they name) answer:
 ///
 /// - a reachable member records it with another incarnation: it was a member and its data was
 ///   lost; it must not vote as if it had never acknowledged anything (Err, saying how to
 ///   re-add it);
-/// - a reachable member belongs to a formed cluster (recording it as one that never ran, or
-///   not at all): Ok(true), it joins as that cluster's membership says;
-/// - a majority of the `--peers` (itself included) answered, none in a formed cluster: Ok(false),
-///   the cluster forms now.
+/// - a reachable member records it as it is now, or formed the cluster when it answered as a
+///   node whose log is new with the incarnation it has now (it never took part since: nothing
+///   to forget): `Formed`, it joins as that cluster's membership says;
+/// - members of a formed cluster answer, recording it as one that never ran or not at all,
+///   and enough of its voters did that no majority is left out (see below): `Formed`;
+/// - a majority of the `--peers` (itself included) answered, none in a formed cluster: `Forms`,
+///   the cluster forms now (with the peers that answered, whose incarnations it keeps to vouch
+///   for them).
 ///
 /// Until one of these holds it asks again (and answers its peers nothing but handshakes): a
 /// member whose data was lost, started while the others are down, would otherwise vote with an
 /// empty log for the first member back, however stale, and the entries that only it and a
 /// leader now down held (committed, confirmed) would be overwritten.
+///
+/// One member's word is not enough: a member that was down when the leader recorded this
+/// node's incarnation (and is back, stale) records nothing of it. The record was committed on
+/// a majority of the `n` voters, so it is held by all but at most `n - majority` of them, or
+/// all but `n - majority` others when this node was one of that majority and lost its copy:
+/// `n - majority + 1` voters other than this node answering without a record leave no
+/// majority unheard.
 async fn may_join(
     rep: &Replication,
     cfg: &crate::config::ClusterConfig,
     own: u64,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Joins> {
     let majority = cfg.peers.len() / 2 + 1;
     let listed = cfg.peers.contains_key(&rep.me);
-    let mut said: Option<std::time::Instant> = None;
+    // Whom to ask: the --peers, and the voters the answers name (a cluster grown past them).
+    let mut targets: BTreeMap<NodeId, String> = cfg
+        .peers
+        .iter()
+        .filter(|(id, _)| **id != rep.me)
+        .map(|(id, addr)| (*id, addr.clone()))
+        .collect();
+    // What was said last, and when: said again when it changes, or every 10 s.
+    let mut said: Option<(std::time::Instant, String)> = None;
     loop {
         let mut probes = tokio::task::JoinSet::new();
-        for (id, addr) in cfg.peers.iter().filter(|(id, _)| **id != rep.me) {
+        for (id, addr) in &targets {
             let (id, addr, cluster, me) = (*id, addr.clone(), rep.cluster_id.clone(), rep.me);
             probes.spawn(async move {
-                let probe = net::probe(&addr, &cluster, me, id);
+                let probe = net::probe(&addr, &cluster, me, id, own);
                 (
                     id,
                     tokio::time::timeout(std::time::Duration::from_secs(1), probe).await,
                 )
             });
         }
-        let (mut formed, mut fresh) = (false, 0);
+        let (mut fresh, mut unrecorded) = (BTreeMap::new(), std::collections::BTreeSet::new());
+        let mut voters: BTreeMap<NodeId, String> = BTreeMap::new();
         while let Some(answer) = probes.join_next().await {
-            let Ok((id, Ok(Ok((known, initialized))))) = answer else {
+            let Ok((id, Ok(Ok(probed)))) = answer else {
                 continue;
             };
-            if let Some(k) = known.filter(|k| k.incarnation != 0 && k.incarnation != own) {
+            let recorded = probed.known.as_ref().map_or(0, |k| k.incarnation);
+            if probed.vouched || (recorded != 0 && recorded == own) {
+                return Ok(Joins::Formed);
+            }
+            if recorded != 0 {
                 anyhow::bail!(
                     "node {me} is a member of cluster {cluster} (node {id} records it, \
                      incarnation {inc:x}) but its Raft log in its data folder is new: its data \
@@ -697,30 +766,62 @@ async fn may_join(
                      {me} {raft}`",
                     me = rep.me,
                     cluster = rep.cluster_id,
-                    inc = k.incarnation,
+                    inc = recorded,
                     raft = rep.info.raft,
                 );
             }
-            if initialized {
-                formed = true;
+            if probed.voters.is_empty() {
+                fresh.insert(id, probed.incarnation);
             } else {
-                fresh += 1;
+                unrecorded.insert(id);
+                voters.extend(probed.voters);
             }
         }
-        if formed {
-            return Ok(true);
-        }
-        if listed && fresh + 1 >= majority {
-            return Ok(false);
-        }
-        if said.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(10)) {
-            info!(
-                node_id = rep.me,
-                answered = fresh,
-                "this node's Raft log is new: it takes no part (no vote) until a majority of \
-                 --peers answers, or a member of a formed cluster does"
+        let (waiting, worrying) = if unrecorded.is_empty() {
+            if listed && fresh.len() + 1 >= majority {
+                return Ok(Joins::Forms(fresh));
+            }
+            let waiting = format!(
+                "it takes no part (no vote) until a majority of --peers answers ({} of the \
+                 others did), or members of a formed cluster do",
+                fresh.len()
             );
-            said = Some(std::time::Instant::now());
+            (waiting, false)
+        } else {
+            let n = voters.len();
+            let need = n - (n / 2 + 1) + 1;
+            let heard: Vec<NodeId> = unrecorded
+                .iter()
+                .copied()
+                .filter(|id| *id != rep.me && voters.contains_key(id))
+                .collect();
+            if heard.len() >= need {
+                return Ok(Joins::Formed);
+            }
+            let waiting = format!(
+                "it takes no part (no vote) until {need} of the voters {:?} other than itself \
+                 answer without a record of it ({heard:?} did): one that is down may hold a \
+                 record of this node, whose data would then have been lost",
+                voters.keys().collect::<Vec<_>>()
+            );
+            (waiting, true)
+        };
+        if said.as_ref().is_none_or(|(t, text)| {
+            *text != waiting || t.elapsed() >= std::time::Duration::from_secs(10)
+        }) {
+            // A cluster that is formed but cannot take this node in yet needs an operator's
+            // eye (a member down); one still forming does not.
+            if worrying {
+                warn!(node_id = rep.me, "this node's Raft log is new: {waiting}");
+            } else {
+                info!(node_id = rep.me, "this node's Raft log is new: {waiting}");
+            }
+            said = Some((std::time::Instant::now(), waiting));
+        }
+        for (id, raft) in voters {
+            if id != rep.me && !raft.is_empty() {
+                targets.insert(id, raft);
+            }
         }
         tokio::time::sleep(JOIN_PROBE_EVERY).await;
     }

@@ -52,8 +52,9 @@ pub const MAGIC: [u8; 4] = *b"WRNR";
 /// node of version 2 cannot decode: it is refused at the handshake instead of stopping its
 /// state machine on the first such entry. 4: entries may hold user deletions (op tag 14).
 /// 5: entries may hold vhosts (op tags 15 and 16). 6: permissions and limits (17 to 20).
-/// 7: topic permissions (21, 22) and a purge's counted key range (23).
-pub const VERSION: u16 = 7;
+/// 7: topic permissions (21, 22) and a purge's counted key range (23). 8: a handshake's answer
+/// names the answering node's voters (`HelloOk::voters`).
+pub const VERSION: u16 = 8;
 /// The bytes of a snapshot file one `SnapshotChunk` carries at most.
 pub const SNAPSHOT_CHUNK: usize = 1 << 20;
 /// The longest frame body sent or accepted: 64 MiB.
@@ -117,6 +118,8 @@ pub struct Hello {
     pub from: NodeId,
     /// The node the sender means to reach: a node whose id differs refuses (a stale address).
     pub to: NodeId,
+    /// The sender's incarnation when it asks whether it may take part (`probe`), else 0.
+    pub incarnation: u64,
 }
 
 impl Hello {
@@ -128,6 +131,7 @@ impl Hello {
             cluster: cluster.to_owned(),
             from,
             to,
+            incarnation: 0,
         }
     }
 }
@@ -206,9 +210,20 @@ enum Response {
         /// lost its data learns from it that it was a member).
         #[serde(default)]
         known: Option<NodeInfo>,
-        /// Whether the answering node belongs to a formed cluster (has a membership).
+        /// The voters of the answering node's membership and their Raft addresses (none: it
+        /// belongs to no formed cluster yet). A node whose log is new counts on them which
+        /// members could hold a record of it (`may_join`).
         #[serde(default)]
-        initialized: bool,
+        voters: Vec<(NodeId, String)>,
+        /// The answering node's incarnation (0: none yet). A node whose log is new, forming
+        /// the cluster, keeps those of the peers that answered it as new too (`formed_with`).
+        #[serde(default)]
+        incarnation: u64,
+        /// The answering node formed the cluster when the connecting node, with the
+        /// incarnation its `Hello` gives, answered it as a node whose log is new: it never
+        /// took part since, so it has nothing to forget (`may_join`).
+        #[serde(default)]
+        vouched: bool,
     },
     Refused {
         reason: String,
@@ -443,13 +458,21 @@ async fn serve_conn(
         }
     };
     let from = hello.from;
-    let (known, initialized) = {
+    let vouched =
+        hello.incarnation != 0 && info.formed_with.lock().get(&from) == Some(&hello.incarnation);
+    let (known, voters) = {
         let m = raft.metrics();
         let m = m.borrow();
         let membership = m.membership_config.membership();
         (
             membership.get_node(&from).cloned(),
-            membership.voter_ids().next().is_some(),
+            membership
+                .voter_ids()
+                .map(|id| {
+                    let raft = membership.get_node(&id).map(|n| n.raft.clone());
+                    (id, raft.unwrap_or_default())
+                })
+                .collect::<Vec<_>>(),
         )
     };
     // A node that does not take part yet gives no membership data: a leader would record its
@@ -459,7 +482,9 @@ async fn serve_conn(
     let ok = match encode(&Response::HelloOk {
         info: if undecided { None } else { info.info.clone() },
         known,
-        initialized,
+        voters,
+        incarnation: info.info.as_ref().map_or(0, |i| i.incarnation),
+        vouched,
     }) {
         Ok(ok) => ok,
         Err(e) => {
@@ -931,6 +956,9 @@ pub struct Local {
     /// While set (a node whose log is new, until it knows it may take part: `may_join`),
     /// a connection is closed once its handshake is answered: no vote, pre-vote or entry.
     pub undecided: Arc<std::sync::atomic::AtomicBool>,
+    /// The peers (and their incarnations) that answered this node as nodes whose log is new
+    /// when it formed the cluster (`may_join`).
+    pub formed_with: Arc<parking_lot::Mutex<std::collections::BTreeMap<NodeId, u64>>>,
 }
 
 /// Whether this node would vote for the candidate of `p` (see `PreVote`).
@@ -977,7 +1005,7 @@ pub async fn prevote(
     to: NodeId,
     p: &PreVote,
 ) -> Result<bool, String> {
-    let (mut conn, _, _, _) = connect(addr, &Hello::new(cluster, me, to))
+    let (mut conn, _, _) = connect(addr, &Hello::new(cluster, me, to))
         .await
         .map_err(|e| format!("{e:?}"))?;
     let frame = encode_request(&Request::PreVote(p.clone())).map_err(|e| format!("{e:?}"))?;
@@ -988,26 +1016,41 @@ pub async fn prevote(
     }
 }
 
-/// Say hello to node `to` at `addr` as node `me` and hang up: what that node's membership
-/// records of `me` (None: not a member there), and whether it belongs to a formed cluster.
+/// What a probed node answered (`probe`).
+#[derive(Debug)]
+pub struct Probed {
+    /// What its membership records of the probing node (None: not a member there).
+    pub known: Option<NodeInfo>,
+    /// Its membership's voters and their Raft addresses (none: it belongs to no formed
+    /// cluster).
+    pub voters: Vec<(NodeId, String)>,
+    /// Its incarnation (0: none yet).
+    pub incarnation: u64,
+    /// It formed the cluster with the probing node's incarnation among the new ones.
+    pub vouched: bool,
+}
+
+/// Say hello to node `to` at `addr` as node `me` of incarnation `incarnation`, and hang up.
 /// Err: no answer or a refusal.
 pub async fn probe(
     addr: &str,
     cluster: &str,
     me: NodeId,
     to: NodeId,
-) -> Result<(Option<NodeInfo>, bool), String> {
-    match connect(addr, &Hello::new(cluster, me, to)).await {
-        Ok((_, _, known, initialized)) => Ok((known, initialized)),
+    incarnation: u64,
+) -> Result<Probed, String> {
+    let hello = Hello {
+        incarnation,
+        ..Hello::new(cluster, me, to)
+    };
+    match connect(addr, &hello).await {
+        Ok((_, _, answer)) => Ok(answer),
         Err(e) => Err(format!("{e:?}")),
     }
 }
 
 /// Connects to `addr` and says `hello`; a refusal is logged here (with the peer's reason).
-async fn connect(
-    addr: &str,
-    hello: &Hello,
-) -> Result<(Conn, Option<NodeInfo>, Option<NodeInfo>, bool), CallError> {
+async fn connect(addr: &str, hello: &Hello) -> Result<(Conn, Option<NodeInfo>, Probed), CallError> {
     let target = hello.to;
     let unreachable = |what: String| CallError::Unreachable(AnyError::error(what));
     let stream = TcpStream::connect(addr)
@@ -1026,8 +1069,18 @@ async fn connect(
             Ok(Response::HelloOk {
                 info,
                 known,
-                initialized,
-            }) => return Ok((conn, info, known, initialized)),
+                voters,
+                incarnation,
+                vouched,
+            }) => {
+                let answer = Probed {
+                    known,
+                    voters,
+                    incarnation,
+                    vouched,
+                };
+                return Ok((conn, info, answer));
+            }
             Ok(Response::Refused { reason }) => reason,
             Ok(other) => format!("answered the handshake with {}", other.name()),
             Err(e) => format!("undecodable handshake answer ({e})"),
@@ -1074,7 +1127,7 @@ impl Network {
     /// A new connection to the target, by `deadline`.
     async fn open(&self, deadline: Instant, ttl: Duration) -> Result<Conn, CallError> {
         match timeout_at(deadline, connect(&self.node.raft, &self.hello())).await {
-            Ok(Ok((conn, info, _, _))) => {
+            Ok(Ok((conn, info, _))) => {
                 if let Some(info) = info {
                     self.learned.lock().insert(self.target, info);
                 }
@@ -2116,7 +2169,9 @@ mod tests {
                                 encode(&Response::HelloOk {
                                     info: None,
                                     known: None,
-                                    initialized: false,
+                                    voters: Vec::new(),
+                                    incarnation: 0,
+                                    vouched: false,
                                 })
                                 .unwrap(),
                             )
@@ -2270,7 +2325,9 @@ mod tests {
             Response::HelloOk {
                 info: None,
                 known: None,
-                initialized: true,
+                voters: vec![(1, "127.0.0.1:1".to_owned()), (2, "127.0.0.1:2".to_owned())],
+                incarnation: 9,
+                vouched: true,
             },
             Response::Refused {
                 reason: "no".to_owned(),

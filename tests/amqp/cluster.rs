@@ -1236,6 +1236,131 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
     replicated(&c, "two-of-three", 210, WAIT).await;
 }
 
+/// Two of three initial members started one after the other, the third not at all: the first
+/// waits (no majority), the second forms the cluster with it. The first then finds a formed
+/// cluster that cannot tell whether the third (down) holds a record of it, but the second
+/// saw it new when it formed the cluster and vouches for it. The third joins when it starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_members_started_one_after_the_other_form_the_cluster_without_the_third() {
+    let mut c = Cluster::start_logged(3);
+    for i in [1, 2] {
+        c.nodes[i].kill();
+        let _ = std::fs::remove_dir_all(c.dir.path().join(format!("n{}", c.nodes[i].id)));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_ne!(c.nodes[0].status().unwrap()["serving"], true);
+    c.restart(1);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "formed").await;
+    publish_confirmed(&conn, "formed", 0, 20).await;
+    c.restart(2);
+    replicated(&c, "formed", 20, WAIT).await;
+    let s = c.nodes[2].status().unwrap();
+    assert_eq!(s["role"], "follower", "{s}");
+}
+
+/// A member that was down when the leader recorded another member's incarnation comes back
+/// stale, with no record of it: when that other member's data is lost, the stale member's word
+/// alone must not let it join and vote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wiped_member_answered_only_by_a_stale_one_waits_for_the_others() {
+    let mut c = Cluster::start_logged(3);
+    // Node 2 takes no part at first: nodes 1 and 3 form the cluster (a majority of the three).
+    let wiped = 1;
+    let wiped_id = c.nodes[wiped].id;
+    c.nodes[wiped].kill();
+    let wiped_dir = c.dir.path().join(format!("n{wiped_id}"));
+    let _ = std::fs::remove_dir_all(&wiped_dir);
+    let first = c.leader(Duration::from_secs(20)).await;
+    let stale = if first == 0 { 2 } else { 0 };
+    let kept = 2 - stale;
+    // The stale member as it is now, before node 2 ever ran: a copy of its folder, taken while
+    // it is down (what it would hold had it stayed down from here on).
+    c.nodes[stale].kill();
+    let stale_dir = c.dir.path().join(format!("n{}", c.nodes[stale].id));
+    let copy = c.dir.path().join("stale-copy");
+    let copied = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&stale_dir)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    c.restart(stale);
+    // Node 2's first start: both members answer, recording nothing of it; it joins, and the
+    // leader records its incarnation.
+    c.restart(wiped);
+    let leader = c.leader(Duration::from_secs(20)).await;
+    incarnations_recorded(&c, leader).await;
+    let conn = connect(&c.nodes[leader].url()).await;
+    declare(&conn, "kept").await;
+    publish_confirmed(&conn, "kept", 0, 100).await;
+    replicated(&c, "kept", 100, WAIT).await;
+    drop(conn);
+
+    // All stop; the stale member's folder goes back to the copy, node 2's is lost.
+    for node in &mut c.nodes {
+        node.kill();
+    }
+    std::fs::remove_dir_all(&stale_dir).unwrap();
+    std::fs::rename(&copy, &stale_dir).unwrap();
+    std::fs::remove_dir_all(&wiped_dir).unwrap();
+    c.restart(stale);
+    c.restart(wiped);
+    // The stale member answers node 2 with no record of it, and the third member (which has
+    // one) is down: node 2 waits, gives the stale member no vote, and nobody leads.
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        let s = c.nodes[stale].status();
+        assert!(
+            s.as_ref().is_none_or(|s| s["serving"] != true),
+            "the stale member leads, elected with the wiped member's vote: {s:?}\n{}",
+            c.nodes[wiped].log_text()
+        );
+        assert!(
+            c.nodes[wiped]
+                .child
+                .as_mut()
+                .unwrap()
+                .try_wait()
+                .unwrap()
+                .is_none(),
+            "the wiped member stopped with a member still down: {}",
+            c.nodes[wiped].log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        c.nodes[wiped]
+            .log_text()
+            .contains("answer without a record of it"),
+        "{}",
+        c.nodes[wiped].log_text()
+    );
+    // The third member is back: it records node 2's old incarnation, so node 2 stops, saying
+    // how to re-add it; the two others elect the one with every entry.
+    c.restart(kept);
+    let wiped_log = c.log_path(wiped_id);
+    let status = c.nodes[wiped]
+        .exits(Duration::from_secs(15), || {
+            format!(
+                "the wiped member went on with the third member back:\n{}",
+                std::fs::read_to_string(&wiped_log).unwrap_or_default()
+            )
+        })
+        .await;
+    assert!(!status.success());
+    let log = c.nodes[wiped].log_text();
+    assert!(
+        log.contains(&format!("warren ctl cluster remove {wiped_id}")),
+        "{log}"
+    );
+    c.nodes[wiped].child = None;
+    assert_eq!(c.leader(Duration::from_secs(20)).await, kept);
+    replicated(&c, "kept", 100, WAIT).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_node_grows_into_a_cluster_and_its_data_goes_to_the_new_nodes() {
     // A single node, no cluster settings, with confirmed messages.
