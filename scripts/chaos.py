@@ -1451,7 +1451,7 @@ def one_run(a):
             row = {"applied": st.get("applied_index") if st else None,
                    "role": st.get("role") if st else None}
             for q in QUEUES:
-                info = n.get("/api/queues/%2f/" + q)
+                info = n.get("/api/queues/%2f/" + q, local=True)
                 row[q] = info.get("messages") if info else None
             per_node[n.id] = row
         if all(r[q] == 0 for r in per_node.values() for q in QUEUES):

@@ -57,8 +57,14 @@ class Node:
         except Exception:
             return None
 
-    def get(self, path, timeout=1.0):
-        req = urllib.request.Request("http://127.0.0.1:%d%s" % (self.http, path), headers=AUTH)
+    def get(self, path, timeout=1.0, local=False):
+        """GET path on this node's management API. A follower forwards it to the leader, as
+        any client's, unless `local`: the request is then marked as forwarded already, and the
+        node answers from its own state (what a check that the replicas agree must read)."""
+        headers = dict(AUTH)
+        if local:
+            headers["x-warren-proxied-by"] = "9"
+        req = urllib.request.Request("http://127.0.0.1:%d%s" % (self.http, path), headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())

@@ -486,7 +486,7 @@ def main():
     t_end = now() + 10
     while now() < t_end:
         for n in cluster.nodes:
-            q = n.get("/api/queues/%2f/" + QUEUE)
+            q = n.get("/api/queues/%2f/" + QUEUE, local=True)
             nodes_empty[n.id] = q.get("messages") if q else None
         if all(v == 0 for v in nodes_empty.values()):
             break

@@ -29,7 +29,8 @@ bash compat/py-suites.sh "$release"
 bash compat/run.sh "$release" "$WARREN_VENV/bin/python"
 echo "== chaos: 3 nodes behind Raft fault proxies, a seeded nemesis, the history checked"
 # The short variant (about 2 minutes); scripts/chaos.py --runs 50 is the long one. The debug
-# binary, as the 50 runs of the README were measured with.
+# binary, as the 50 runs of the README were measured with. Seed 8: its first ten faults draw
+# every kind (seed 1, before, drew no pause of the leader in 90 s).
 cargo build --bin warren
-"$WARREN_VENV/bin/python" scripts/chaos.py --seed "${WARREN_CHAOS_SEED:-1}" --duration 90 \
+"$WARREN_VENV/bin/python" scripts/chaos.py --seed "${WARREN_CHAOS_SEED:-8}" --duration 90 \
     --binary "$CARGO_TARGET_DIR/debug/warren"

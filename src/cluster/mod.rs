@@ -290,6 +290,16 @@ impl Replication {
         Some((id, info))
     }
 
+    /// Why this node, which does not lead, serves no client: `node N is not the leader; the
+    /// leader is node M at HOST:PORT` (the reply text of the 320 a client is closed with).
+    pub fn not_leading(&self) -> String {
+        let leader = match self.leader_info().filter(|(id, _)| *id != self.me) {
+            Some((id, n)) => format!("node {id} at {}", n.amqp),
+            None => "not known yet (an election is under way)".into(),
+        };
+        format!("node {} is not the leader; the leader is {leader}", self.me)
+    }
+
     /// [`leader_info`](Self::leader_info) of a leader this follower heard from within a
     /// lease: a leader cut off from it (and likely from the majority) is not handed clients,
     /// which it could not serve, while the others elect a new one.

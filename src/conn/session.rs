@@ -283,18 +283,11 @@ impl Session {
             // leader): no command runs here any more, not even the frames already read, since
             // a change on a node that does not lead is one the cluster never agreed on. 320,
             // and the client reconnects (through any node, to the leader).
-            let leader = match self
-                .shared
-                .replication
-                .as_ref()
-                .and_then(|r| r.leader_info())
-            {
-                Some((id, n)) => format!("node {id} at {}", n.amqp),
-                None => "not known yet".into(),
+            let reason = match &self.shared.replication {
+                Some(rep) => rep.not_leading(),
+                None => "this node serves no client".into(),
             };
-            self.force_close(&format!(
-                "this node does not lead the cluster; the leader is {leader}"
-            ));
+            self.force_close(&reason);
             return Next::Closing;
         }
         let channel = frame.channel();

@@ -336,11 +336,7 @@ impl Session {
         // and none is sent a close before it answered connection.start (lapin then waited
         // for ever). The node may also have been elected since the client connected.
         if let Some(rep) = self.shared.replication.as_ref().filter(|r| !r.is_leader()) {
-            let leader = match rep.leader_info().filter(|(id, _)| *id != rep.me) {
-                Some((id, n)) => format!("node {id} at {}", n.amqp),
-                None => "not known yet (an election is under way)".into(),
-            };
-            let reason = format!("node {} is not the leader; the leader is {leader}", rep.me);
+            let reason = rep.not_leading();
             info!(peer = %self.peer, "client refused: {reason}");
             return Err(AmqpError::connection(ReplyCode::ConnectionForced, reason).on(10, 40));
         }

@@ -1206,11 +1206,12 @@ async fn every_node_killed_at_once_under_load_comes_back_with_equal_replicas() {
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1";
 
 /// Issue 15 point 10: the leader's wall clock jumps an hour forward, then back, under a
-/// confirming load (libfaketime moves that process's wall clock only; its monotonic clock,
-/// which Raft and the lease use, runs on). Each jump gets a clear log line, the leader keeps
-/// leading (no election: Raft does not see it), and every confirmed message is on every node.
+/// confirming load, and then a follower's (libfaketime moves that process's wall clock only;
+/// its monotonic clock, which Raft and the lease use, runs on). Each jump gets a clear log
+/// line on the node whose clock jumped, the leader keeps leading (no election: Raft does not
+/// see it), and every confirmed message is on every node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wall_clock_jump_on_the_leader_is_logged_and_loses_nothing() {
+async fn a_wall_clock_jump_on_the_leader_or_a_follower_is_logged_and_loses_nothing() {
     assert!(
         std::path::Path::new(FAKETIME).exists(),
         "{FAKETIME} is missing: apt-get install faketime (scripts/test.sh does)"
@@ -1241,20 +1242,28 @@ async fn a_wall_clock_jump_on_the_leader_is_logged_and_loses_nothing() {
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "clock").await;
     publish_confirmed(&conn, "clock", 0, 200).await;
-    let clock_file = c.dir.path().join(format!("clock{id}"));
     let mut sent = 200;
-    for (offset, direction) in [("+1h", "forward"), ("+0", "back")] {
-        std::fs::write(&clock_file, format!("{offset}\n")).unwrap();
-        // Confirms go on across the jump.
-        for _ in 0..10 {
-            publish_confirmed(&conn, "clock", sent, 50).await;
-            sent += 50;
-            tokio::time::sleep(Duration::from_millis(150)).await;
+    // The leader's clock, then a follower's (which applies the leader's entries, stamped with
+    // the leader's clock, and would lead next).
+    for jumping in [leader, (leader + 1) % 3] {
+        let clock_file = c.dir.path().join(format!("clock{}", c.nodes[jumping].id));
+        for (offset, direction) in [("+1h", "forward"), ("+0", "back")] {
+            std::fs::write(&clock_file, format!("{offset}\n")).unwrap();
+            // Confirms go on across the jump.
+            for _ in 0..10 {
+                publish_confirmed(&conn, "clock", sent, 50).await;
+                sent += 50;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+            let line = c.nodes[jumping]
+                .log_line(&["the wall clock jumped", direction], WAIT)
+                .await;
+            assert!(
+                line.is_some(),
+                "no log line on node {} for the jump {direction}",
+                c.nodes[jumping].id
+            );
         }
-        let line = c.nodes[leader]
-            .log_line(&["the wall clock jumped", direction], WAIT)
-            .await;
-        assert!(line.is_some(), "no log line for the jump {direction}");
     }
     assert_eq!(
         term_and_leader(&c),
