@@ -54,20 +54,34 @@ async fn wait_for(within: Duration, what: &str, mut cond: impl FnMut() -> bool) 
     start.elapsed()
 }
 
-/// The term and leader id every live node reports (asserting they agree).
-fn term_and_leader(c: &Cluster) -> (u64, u64) {
-    let mut seen = BTreeSet::new();
-    for node in c.nodes.iter().filter(|n| n.answers()) {
-        let s = node
-            .status()
-            .unwrap_or_else(|| panic!("node {} does not answer /api/cluster", node.id));
-        seen.insert((
-            s["term"].as_u64().unwrap(),
-            s["leader_id"].as_u64().unwrap_or(0),
-        ));
+/// The term and leader id every live node reports, once they agree (a node still starting
+/// may not have heard from the leader yet: CI saw one at term 0 right after `leader`
+/// returned, its API up a moment after the others'); panics if they do not within 10 s.
+async fn term_and_leader(c: &Cluster) -> (u64, u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut seen = BTreeSet::new();
+        let mut silent = Vec::new();
+        for node in c.nodes.iter().filter(|n| n.answers()) {
+            match node.status() {
+                Some(s) => {
+                    seen.insert((
+                        s["term"].as_u64().unwrap_or(0),
+                        s["leader_id"].as_u64().unwrap_or(0),
+                    ));
+                }
+                None => silent.push(node.id),
+            }
+        }
+        if seen.len() == 1 && silent.is_empty() {
+            return seen.pop_first().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the nodes disagree on term/leader: {seen:?} (not answering: {silent:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(seen.len(), 1, "the nodes disagree on term/leader: {seen:?}");
-    seen.pop_first().unwrap()
 }
 
 /// The role and term node `i` reports (it must answer).
@@ -663,7 +677,7 @@ async fn freeze_round(
 async fn a_node_started_with_another_member_list_is_refused() {
     let c = Cluster::start_logged(3);
     let leader = c.leader(Duration::from_secs(20)).await;
-    let (term, leader_id) = term_and_leader(&c);
+    let (term, leader_id) = term_and_leader(&c).await;
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "steady").await;
     publish_confirmed(&conn, "steady", 0, 100).await;
@@ -706,7 +720,7 @@ async fn a_node_started_with_another_member_list_is_refused() {
     while Instant::now() < until {
         publish_confirmed(&conn, "steady", n, 20).await;
         n += 20;
-        assert_eq!(term_and_leader(&c), (term, leader_id));
+        assert_eq!(term_and_leader(&c).await, (term, leader_id));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(c.leader(WAIT).await, leader);
@@ -744,7 +758,7 @@ async fn a_node_started_with_another_member_list_is_refused() {
 async fn a_member_restarted_with_another_member_list_is_refused_and_loses_nothing() {
     let mut c = Cluster::start_logged(3);
     let leader = c.leader(Duration::from_secs(20)).await;
-    let (term, leader_id) = term_and_leader(&c);
+    let (term, leader_id) = term_and_leader(&c).await;
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "listed").await;
     publish_confirmed(&conn, "listed", 0, 50).await;
@@ -768,7 +782,7 @@ async fn a_member_restarted_with_another_member_list_is_refused_and_loses_nothin
         .unwrap_or_else(|| panic!("the member was not told: {}", node.log_text()));
     // The other two go on: same leader and term, confirms.
     publish_confirmed(&conn, "listed", 50, 50).await;
-    assert_eq!(term_and_leader(&c).1, leader_id);
+    assert_eq!(term_and_leader(&c).await.1, leader_id);
     let s = node.status().expect("the member answers /api/cluster");
     assert_ne!(s["serving"], true, "{s}");
     assert!(
@@ -785,7 +799,7 @@ async fn a_member_restarted_with_another_member_list_is_refused_and_loses_nothin
     c.restart(f);
     replicated(&c, "listed", 100, WAIT).await;
     assert_eq!(c.leader(WAIT).await, leader);
-    assert_eq!(term_and_leader(&c), (term, leader_id));
+    assert_eq!(term_and_leader(&c).await, (term, leader_id));
 }
 
 /// The body of a `Request::Hello` (postcard: variant 0, then the struct).
@@ -840,7 +854,7 @@ async fn until_closed(s: &mut TcpStream, within: Duration) -> Vec<u8> {
 async fn a_raft_peer_sending_garbage_is_refused_and_the_node_goes_on() {
     let c = Cluster::start_logged(3);
     let leader = c.leader(Duration::from_secs(20)).await;
-    let (term, leader_id) = term_and_leader(&c);
+    let (term, leader_id) = term_and_leader(&c).await;
     let cluster = warren::cluster::cluster_id(&warren::config::parse_peers(c.peers()).unwrap());
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "garbage").await;
@@ -972,7 +986,7 @@ async fn a_raft_peer_sending_garbage_is_refused_and_the_node_goes_on() {
         .unwrap();
     publish_confirmed(&conn, "garbage", n, 100).await;
     assert_eq!(c.leader(WAIT).await, leader);
-    assert_eq!(term_and_leader(&c), (term, leader_id));
+    assert_eq!(term_and_leader(&c).await, (term, leader_id));
     replicated(&c, "garbage", u64::from(n + 100), WAIT).await;
     eprintln!("garbage: {} messages confirmed meanwhile", n + 100);
 }
@@ -1238,7 +1252,7 @@ async fn a_wall_clock_jump_on_the_leader_or_a_follower_is_logged_and_loses_nothi
     let mut c = Cluster::start_in_env(dir, 3, &[], true, &clock_env);
     let leader = c.leader(Duration::from_secs(20)).await;
     let id = c.nodes[leader].id;
-    let (term, _) = term_and_leader(&c);
+    let (term, _) = term_and_leader(&c).await;
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "clock").await;
     publish_confirmed(&conn, "clock", 0, 200).await;
@@ -1266,7 +1280,7 @@ async fn a_wall_clock_jump_on_the_leader_or_a_follower_is_logged_and_loses_nothi
         }
     }
     assert_eq!(
-        term_and_leader(&c),
+        term_and_leader(&c).await,
         (term, id),
         "the jumps moved Raft: an election"
     );
