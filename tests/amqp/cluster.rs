@@ -142,6 +142,26 @@ impl Node {
         }
     }
 
+    /// A member whose data was lost stops within 15 s (panics with `what()` otherwise),
+    /// failing, with the way to re-add it in its log; the node is then marked down.
+    pub async fn stops_as_a_wiped_member(&mut self, what: impl Fn() -> String) {
+        let status = self.exits(Duration::from_secs(15), what).await;
+        assert!(!status.success());
+        let log = self.log_text();
+        assert!(
+            log.contains(&format!("warren ctl cluster remove {}", self.id)),
+            "{log}"
+        );
+        self.child = None;
+    }
+
+    /// Started and its process not ended (it may have stopped by itself since: `exits`).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// Running and not paused: it answers (a paused node would only time out).
     pub fn answers(&self) -> bool {
         self.child.is_some() && !self.paused
@@ -1190,13 +1210,7 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
     c.restart(wiped);
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(
-        c.nodes[wiped]
-            .child
-            .as_mut()
-            .unwrap()
-            .try_wait()
-            .unwrap()
-            .is_none(),
+        c.nodes[wiped].running(),
         "the wiped node stopped with no one to ask: {}",
         c.nodes[wiped].log_text()
     );
@@ -1205,8 +1219,8 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
     c.restart(stale);
     let stale_node = std::mem::replace(&mut c.nodes[stale], Node::placeholder());
     let wiped_log = c.log_path(wiped_id);
-    let status = c.nodes[wiped]
-        .exits(Duration::from_secs(15), || {
+    c.nodes[wiped]
+        .stops_as_a_wiped_member(|| {
             format!(
                 "the wiped member went on beside the stale one: {:?}\n{}",
                 stale_node.status(),
@@ -1215,13 +1229,6 @@ async fn a_wiped_member_started_while_the_others_are_down_takes_no_part() {
         })
         .await;
     c.nodes[stale] = stale_node;
-    assert!(!status.success());
-    let log = c.nodes[wiped].log_text();
-    assert!(
-        log.contains(&format!("warren ctl cluster remove {wiped_id}")),
-        "{log}"
-    );
-    c.nodes[wiped].child = None;
     // The stale follower alone elects no one; with the old leader back, the two elect the
     // one with every entry, and every confirmed message is there.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1319,13 +1326,7 @@ async fn a_wiped_member_answered_only_by_a_stale_one_waits_for_the_others() {
             c.nodes[wiped].log_text()
         );
         assert!(
-            c.nodes[wiped]
-                .child
-                .as_mut()
-                .unwrap()
-                .try_wait()
-                .unwrap()
-                .is_none(),
+            c.nodes[wiped].running(),
             "the wiped member stopped with a member still down: {}",
             c.nodes[wiped].log_text()
         );
@@ -1342,21 +1343,14 @@ async fn a_wiped_member_answered_only_by_a_stale_one_waits_for_the_others() {
     // how to re-add it; the two others elect the one with every entry.
     c.restart(kept);
     let wiped_log = c.log_path(wiped_id);
-    let status = c.nodes[wiped]
-        .exits(Duration::from_secs(15), || {
+    c.nodes[wiped]
+        .stops_as_a_wiped_member(|| {
             format!(
                 "the wiped member went on with the third member back:\n{}",
                 std::fs::read_to_string(&wiped_log).unwrap_or_default()
             )
         })
         .await;
-    assert!(!status.success());
-    let log = c.nodes[wiped].log_text();
-    assert!(
-        log.contains(&format!("warren ctl cluster remove {wiped_id}")),
-        "{log}"
-    );
-    c.nodes[wiped].child = None;
     assert_eq!(c.leader(Duration::from_secs(20)).await, kept);
     replicated(&c, "kept", 100, WAIT).await;
 }
