@@ -163,6 +163,9 @@ pub fn render(s: &Value) -> String {
         opt(&s["commit_index"]),
         opt(&s["applied_index"]),
     );
+    if let Some(why) = s["joining"].as_str() {
+        out.push_str(&format!("not taking part yet: {why}\n"));
+    }
     out.push_str(&format!(
         "{:<4} {:<8} {:<22} {:<22} {:<22} {:>8} {:>6}\n",
         "id", "member", "raft", "amqp", "http", "matched", "lag"

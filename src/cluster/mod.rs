@@ -159,6 +159,8 @@ pub struct Replication {
     pub definitions_loaded: AtomicBool,
     /// A follower's message ops not applied yet (`sm::Deferred`; taken after `state`).
     pub deferred: parking_lot::Mutex<sm::Deferred>,
+    /// While a node whose Raft log is new takes no part yet (`may_join`): what it waits for.
+    pub joining: parking_lot::Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Replication {
@@ -193,6 +195,7 @@ impl Replication {
             grow_pending: AtomicBool::new(false),
             definitions_loaded: AtomicBool::new(false),
             deferred: Default::default(),
+            joining: Default::default(),
         }
     }
 
@@ -640,6 +643,7 @@ async fn join(
         joining.formed_with.lock().clone_from(fresh);
     }
     joining.undecided.store(false, Ordering::Release);
+    *rep.joining.lock() = None;
     if !cfg.peers.contains_key(&rep.me) || decided.is_none() {
         info!(
             node_id = rep.me,
@@ -816,6 +820,7 @@ async fn may_join(
             );
             (waiting, true)
         };
+        *rep.joining.lock() = Some(waiting.clone());
         if said.as_ref().is_none_or(|(t, text)| {
             *text != waiting || t.elapsed() >= std::time::Duration::from_secs(10)
         }) {

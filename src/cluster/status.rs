@@ -23,6 +23,11 @@ pub struct ClusterStatus {
     pub purged_index: Option<u64>,
     /// Milliseconds since a majority last acknowledged this leader (leader only).
     pub millis_since_quorum_ack: Option<u64>,
+    /// While this node, whose Raft log is new, takes no part yet: what it waits for (a
+    /// majority of its peers to form the cluster, or enough voters to answer that it may
+    /// join). Absent once it takes part.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub joining: Option<String>,
     pub nodes: Vec<NodeStatus>,
 }
 
@@ -105,6 +110,7 @@ pub fn status(rep: &Replication) -> Option<ClusterStatus> {
         snapshot_index: m.snapshot.map(|l| l.index),
         purged_index: m.purged.map(|l| l.index),
         millis_since_quorum_ack: m.millis_since_quorum_ack,
+        joining: rep.joining.lock().clone(),
         nodes,
     })
 }

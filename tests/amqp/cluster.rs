@@ -1255,9 +1255,20 @@ async fn two_members_started_one_after_the_other_form_the_cluster_without_the_th
         let _ = std::fs::remove_dir_all(c.dir.path().join(format!("n{}", c.nodes[i].id)));
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_ne!(c.nodes[0].status().unwrap()["serving"], true);
+    let s = c.nodes[0].status().unwrap();
+    assert_ne!(s["serving"], true);
+    assert!(
+        s["joining"]
+            .as_str()
+            .is_some_and(|j| j.contains("until a majority of --peers answers")),
+        "{s}"
+    );
     c.restart(1);
     let leader = c.leader(Duration::from_secs(20)).await;
+    for node in &c.nodes[..2] {
+        let s = node.status().unwrap();
+        assert!(s.get("joining").is_none(), "{s}");
+    }
     let conn = connect(&c.nodes[leader].url()).await;
     declare(&conn, "formed").await;
     publish_confirmed(&conn, "formed", 0, 20).await;
@@ -1339,6 +1350,16 @@ async fn a_wiped_member_answered_only_by_a_stale_one_waits_for_the_others() {
         "{}",
         c.nodes[wiped].log_text()
     );
+    // Its status says what it waits for, and so does `warren ctl cluster status`.
+    let s = c.nodes[wiped].status().unwrap();
+    assert!(
+        s["joining"]
+            .as_str()
+            .is_some_and(|j| j.contains("answer without a record of it")),
+        "{s}"
+    );
+    let (ok, out) = ctl(&c.nodes[wiped], &["cluster", "status"]);
+    assert!(ok && out.contains("not taking part yet: "), "{out}");
     // The third member is back: it records node 2's old incarnation, so node 2 stops, saying
     // how to re-add it; the two others elect the one with every entry.
     c.restart(kept);
