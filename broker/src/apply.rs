@@ -86,7 +86,7 @@ impl Broker {
     /// skipping a message acknowledged within the ops it applies at once): ids go on after
     /// it, as if it had been applied (ids are never given twice).
     pub fn message_id_seen(&mut self, id: u64) {
-        self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
+        self.replicated.next_message_id = self.replicated.next_message_id.max(id.saturating_add(1));
     }
 
     /// Start recording the replicated ops (see `log.rs`), for `take_ops`.
@@ -502,7 +502,7 @@ impl Broker {
         else {
             return (false, Targets::new());
         };
-        self.replicated.next_message_id = self.replicated.next_message_id.max(id + 1);
+        self.replicated.next_message_id = self.replicated.next_message_id.max(id.saturating_add(1));
         self.log.write(op);
         self.enqueue(ids, id, timestamp_ms, msg)
     }

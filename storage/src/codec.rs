@@ -241,7 +241,7 @@ impl LimitsRecord {
         if n > b.remaining() / 12 {
             return Err(DecodeError("bad limit count"));
         }
-        let mut limits = Vec::with_capacity(n);
+        let mut limits = Vec::with_capacity(n.min(crate::op_codec::RESERVE_AT_MOST));
         for _ in 0..n {
             let name = get_string(&mut b)?;
             if b.remaining() < 8 {

@@ -17,6 +17,11 @@ pub mod op_codec;
 pub mod testing;
 
 pub use op::{BindingDest, Name, Op, QueueLevels};
+
+/// Test builds allocate under a cap that a test may lower (`testing::allocating_at_most`).
+#[cfg(test)]
+#[global_allocator]
+pub(crate) static ALLOC: testing::CappedSystem = testing::capped_system();
 use std::path::PathBuf;
 
 /// Why a store could not do what was asked.

@@ -57,8 +57,10 @@
 //! entry a new `FORMAT`). Decoding an unknown tag, an unknown format, a bad bool or destination
 //! kind, invalid UTF-8, a length or count past the end of the input, or bytes left over after
 //! the last op is a [`DecodeError`], never a panic. Counts and lengths are checked against the
-//! bytes that remain before anything is allocated for them, so a damaged or hostile length
-//! cannot make the decoder allocate more than the input could hold.
+//! bytes that remain, and room for a count's items is reserved only up to [`RESERVE_AT_MOST`]
+//! (beyond that a vector grows as items actually decode): an item in memory is far larger than
+//! its encoding (an `Op` about 170 bytes, 5 at least on the wire), so reserving for a checked
+//! count alone let 64 MiB of input ask for gigabytes.
 //!
 //! Decoding copies only what the op's types own: `arguments`, `properties` and message bodies
 //! are [`Bytes`] slices of the input (no copy); strings and names are copied once, after their
@@ -509,11 +511,30 @@ fn get_u64(b: &mut Bytes, what: &'static str) -> Result<u64, DecodeError> {
     Ok(b.get_u64())
 }
 
+/// A message id: below `2^ID_BITS`, as the broker gives them (a key holds the id in those
+/// bits, so a larger one would make keys of other messages).
+fn get_message_id(b: &mut Bytes) -> Result<u64, DecodeError> {
+    let id = get_u64(b, "truncated id")?;
+    if id >= 1 << crate::ID_BITS {
+        return Err(DecodeError("message id out of range"));
+    }
+    Ok(id)
+}
+
 fn get_len(b: &mut Bytes) -> Result<usize, DecodeError> {
     if b.remaining() < 4 {
         return Err(DecodeError("truncated length"));
     }
     usize::try_from(b.get_u32()).map_err(|_| DecodeError("length does not fit in memory"))
+}
+
+/// Items reserved for at most, whatever a count says (see the module's doc): past this, a
+/// vector grows as its items decode, so memory follows what the input really holds.
+pub const RESERVE_AT_MOST: usize = 1024;
+
+/// Room to reserve for `n` items (`get_count`'s).
+fn reserve(n: usize) -> usize {
+    n.min(RESERVE_AT_MOST)
 }
 
 /// A count of items that take at least `min_item` bytes each, refused when the rest of the
@@ -636,7 +657,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let vhost = names.get(b)?;
             // Each queue takes at least its name's length and its level.
             let n = get_count(b, 4 + 1)?;
-            let mut queues = QueueLevels::with_capacity(n);
+            let mut queues = QueueLevels::with_capacity(reserve(n));
             for _ in 0..n {
                 let queue = names.get(b)?;
                 let level = get_u8(b, "truncated level")?;
@@ -645,7 +666,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             Op::Enqueue {
                 vhost,
                 queues,
-                id: get_u64(b, "truncated id")?,
+                id: get_message_id(b)?,
                 timestamp_ms: get_u64(b, "truncated timestamp")?,
                 exchange: names.get(b)?,
                 routing_key: names.get(b)?,
@@ -657,7 +678,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let vhost = names.get(b)?;
             let queue = names.get(b)?;
             let n = get_count(b, 8)?;
-            let mut keys = Vec::with_capacity(n);
+            let mut keys = Vec::with_capacity(reserve(n));
             for _ in 0..n {
                 keys.push(get_u64(b, "truncated key")?);
             }
@@ -672,8 +693,8 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let vhost = names.get(b)?;
             let queue = names.get(b)?;
             let n = get_count(b, 16)?;
-            let mut keys = Vec::with_capacity(n);
-            let mut sizes = Vec::with_capacity(n);
+            let mut keys = Vec::with_capacity(reserve(n));
+            let mut sizes = Vec::with_capacity(reserve(n));
             for _ in 0..n {
                 keys.push(get_u64(b, "truncated key")?);
                 sizes.push(get_u64(b, "truncated size")?);
@@ -720,7 +741,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let name = get_string(b)?;
             let password_hash = get_string(b)?;
             let n = get_count(b, 4)?;
-            let mut tags = Vec::with_capacity(n);
+            let mut tags = Vec::with_capacity(reserve(n));
             for _ in 0..n {
                 tags.push(get_string(b)?);
             }
@@ -737,7 +758,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let name = get_string(b)?;
             let description = get_string(b)?;
             let n = get_count(b, 4)?;
-            let mut tags = Vec::with_capacity(n);
+            let mut tags = Vec::with_capacity(reserve(n));
             for _ in 0..n {
                 tags.push(get_string(b)?);
             }
@@ -765,7 +786,7 @@ fn decode_op_in(b: &mut Bytes, names: &mut Names) -> Result<Op, DecodeError> {
             let name = get_string(b)?;
             // Each takes at least a 4-byte length and 8 bytes of value.
             let n = get_count(b, 12)?;
-            let mut limits = Vec::with_capacity(n);
+            let mut limits = Vec::with_capacity(reserve(n));
             for _ in 0..n {
                 let k = get_string(b)?;
                 if b.remaining() < 8 {
@@ -807,7 +828,7 @@ pub fn decode_ops(mut b: Bytes) -> Result<Vec<Op>, DecodeError> {
         _ => return Err(DecodeError("unknown entry format")),
     }
     let n = get_count(&mut b, MIN_OP_LEN)?;
-    let mut ops = Vec::with_capacity(n);
+    let mut ops = Vec::with_capacity(reserve(n));
     let mut names = Names::default();
     for _ in 0..n {
         ops.push(decode_op_in(&mut b, &mut names)?);
@@ -1470,6 +1491,38 @@ mod tests {
         );
     }
 
+    /// A count the input could hold (5 bytes an op at least) is not reserved for as decoded
+    /// ops (about 170 bytes each): 8 MiB of input claiming 1.6 million ops asked for 280 MB
+    /// before the first op failed to decode. Past the cap, the test binary aborts.
+    #[test]
+    fn a_count_is_not_reserved_for_beyond_what_decodes() {
+        let n: u32 = 1_600_000;
+        let mut input = vec![FORMAT];
+        input.extend_from_slice(&n.to_be_bytes());
+        input.resize(1 + 4 + 5 * n as usize, 0xee);
+        let input = Bytes::from(input);
+        let decoded = crate::testing::allocating_at_most(&crate::ALLOC, 16 << 20, || {
+            decode_ops(input.clone())
+        });
+        assert_eq!(decoded, Err(DecodeError("unknown op tag")));
+    }
+
+    /// An id that does not fit in a key's id bits is damage: as a key it would name another
+    /// message (and `id + 1`, the next id, would overflow at the top).
+    #[test]
+    fn a_message_id_past_the_key_bits_is_refused() {
+        let enqueue = |id: &str| {
+            decode_ops(Bytes::from(hex(&format!(
+                "01 00000001 07 | 00000001 2f | 00000001 00000001 71 00 | {id} | \
+                 0000000000000000 | 00000000 | 00000000 | 00000000 | 00000000"
+            ))))
+        };
+        assert!(enqueue("00ffffffffffffff").is_ok());
+        for id in ["0100000000000000", "ffffffffffffffff"] {
+            assert_eq!(enqueue(id), Err(DecodeError("message id out of range")));
+        }
+    }
+
     #[test]
     fn decoded_bytes_share_the_input() {
         let ops = every_variant();
@@ -1587,7 +1640,7 @@ mod tests {
                 (
                     name(),
                     vec((name(), any::<u8>()), 0..4),
-                    any::<u64>(),
+                    0..1u64 << crate::ID_BITS,
                     any::<u64>(),
                     name(),
                     name(),

@@ -670,6 +670,32 @@ fn levels_spills_and_ranges(open: &dyn Fn() -> Box<dyn Store>) {
     .unwrap();
 }
 
+/// The system allocator under a cap that `allocating_at_most` lowers for a while: a test
+/// binary makes it its global allocator to check that hostile input is not allocated for.
+pub type CappedSystem = cap::Cap<std::alloc::System>;
+
+/// A `CappedSystem` with no cap yet.
+pub const fn capped_system() -> CappedSystem {
+    cap::Cap::new(std::alloc::System, usize::MAX)
+}
+
+/// Run `f` with at most `bytes` more than now allocatable through `alloc` (the test binary's
+/// global allocator); one such run at a time. An allocation past the cap fails, and Rust
+/// aborts the test binary on it ("memory allocation of N bytes failed"): the test fails.
+pub fn allocating_at_most<T>(alloc: &CappedSystem, bytes: usize, f: impl FnOnce() -> T) -> T {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    struct Uncap<'a>(&'a CappedSystem);
+    impl Drop for Uncap<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.set_limit(usize::MAX);
+        }
+    }
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    let _ = alloc.set_limit(alloc.allocated().saturating_add(bytes));
+    let _uncap = Uncap(alloc);
+    f()
+}
+
 #[cfg(test)]
 mod tests {
     use super::conformance;
