@@ -24,6 +24,11 @@ pub mod registry;
 pub mod server;
 pub mod tls;
 
+/// Test builds allocate under a cap that a test may lower (`allocating_at_most`).
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: warren_storage::testing::CappedSystem = warren_storage::testing::capped_system();
+
 pub use config::Config;
 pub use node::Shared;
 pub use server::{run, serve};

@@ -118,10 +118,16 @@ impl Reader {
         if len > MAX_FRAME {
             return Err(bad(&self.path, format!("a frame of {len} bytes")));
         }
-        let mut body = vec![0u8; len as usize];
-        self.input
-            .read_exact(&mut body)
-            .map_err(|e| bad(&self.path, format!("ends inside a frame ({e})")))?;
+        // Read, not sized from the header: a damaged length on a short file would otherwise
+        // allocate up to `MAX_FRAME` before the read found the file's end.
+        let mut body = Vec::new();
+        (&mut self.input)
+            .take(u64::from(len))
+            .read_to_end(&mut body)
+            .map_err(|e| bad(&self.path, format!("a frame does not read ({e})")))?;
+        if body.len() as u64 != u64::from(len) {
+            return Err(bad(&self.path, "ends inside a frame"));
+        }
         if crc32fast::hash(&body) != crc {
             return Err(bad(
                 &self.path,
@@ -219,5 +225,27 @@ mod tests {
         std::fs::write(&other, b"not a snapshot at all").unwrap();
         assert!(read_meta(&other).is_err());
         assert!(read_meta(&dir.path().join("none")).unwrap().is_none());
+    }
+
+    /// A damaged frame length on a short file is found at the file's end, not allocated for:
+    /// a header claiming the largest frame made a buffer of that size (1 GiB) first. Past the
+    /// cap, the test binary aborts.
+    #[test]
+    fn a_frame_length_is_not_allocated_for_before_its_bytes_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
+        let mut w = Writer::create(&path, &meta()).unwrap();
+        w.group(&[op(1)]).unwrap();
+        w.finish().unwrap();
+        let mut damaged = std::fs::read(&path).unwrap();
+        // The first group's frame: after the magic and the meta frame.
+        let meta_len = u32::from_le_bytes(damaged[5..9].try_into().unwrap()) as usize;
+        let at = 5 + 8 + meta_len;
+        damaged[at..at + 4].copy_from_slice(&MAX_FRAME.to_le_bytes());
+        std::fs::write(&path, &damaged).unwrap();
+        let e = warren_storage::testing::allocating_at_most(&crate::ALLOC, 64 << 20, || {
+            verify(&path).unwrap_err()
+        });
+        assert!(e.to_string().contains("ends inside a frame"), "{e}");
     }
 }
