@@ -53,8 +53,9 @@ pub const MAGIC: [u8; 4] = *b"WRNR";
 /// state machine on the first such entry. 4: entries may hold user deletions (op tag 14).
 /// 5: entries may hold vhosts (op tags 15 and 16). 6: permissions and limits (17 to 20).
 /// 7: topic permissions (21, 22) and a purge's counted key range (23). 8: a handshake's answer
-/// names the answering node's voters (`HelloOk::voters`).
-pub const VERSION: u16 = 8;
+/// names the answering node's voters (`HelloOk::voters`). 9: a Raft error travels as its
+/// text (`flat_fatal`), not as openraft's nested error.
+pub const VERSION: u16 = 9;
 /// The bytes of a snapshot file one `SnapshotChunk` carries at most.
 pub const SNAPSHOT_CHUNK: usize = 1 << 20;
 /// The longest frame body sent or accepted: 64 MiB.
@@ -233,8 +234,8 @@ enum Response {
     Snapshot(SnapshotResponse<NodeId>),
     /// The target's Raft failed the request. `Raft::append_entries` and `Raft::vote` fail with a
     /// `RaftError<NodeId>`, whose only possible case is `Fatal`, and `install_full_snapshot`
-    /// with a `Fatal`: the `Fatal` is what travels.
-    RaftError(Fatal<NodeId>),
+    /// with a `Fatal`: the `Fatal` is what travels, flattened (`flat_fatal`).
+    RaftError(#[serde(with = "flat_fatal")] Fatal<NodeId>),
     PreVoted {
         granted: bool,
     },
@@ -275,6 +276,65 @@ fn is_too_large(e: &io::Error) -> bool {
 
 fn encode<T: Serialize>(msg: &T) -> Result<Bytes, postcard::Error> {
     postcard::to_stdvec(msg).map(Bytes::from)
+}
+
+/// Whether an AppendEntries' entries fail to follow its `prev_log_id` one index at a time
+/// with log ids that never go back (or reach the last index). openraft 0.9 checks only part
+/// of this, with debug assertions: entries with a gap between them were taken and answered
+/// `Success` (a log with a hole in it), and a first entry that does not follow panics its core
+/// in a debug build and is written in a release one.
+fn out_of_order(rpc: &AppendEntriesRequest<TypeConfig>) -> bool {
+    let mut prev = rpc.prev_log_id;
+    for entry in &rpc.entries {
+        let next = prev.map_or(Some(0), |p| p.index.checked_add(1));
+        if Some(entry.log_id.index) != next || entry.log_id.index == u64::MAX {
+            return true;
+        }
+        if prev.is_some_and(|p| entry.log_id.leader_id < p.leader_id) {
+            return true;
+        }
+        prev = Some(entry.log_id);
+    }
+    false
+}
+
+/// A `Fatal` on the wire: its kind, and a storage error's text. openraft's own encoding nests
+/// `AnyError`s (each may hold another as its source) to any depth, and postcard decodes
+/// nesting by recursion with no limit: a peer's answer of a few tens of KiB of nested sources
+/// would overflow the stack of the task decoding it, which aborts the process (no panic to
+/// catch). The text is all the receiver does anything with (it logs the error).
+mod flat_fatal {
+    use super::{Fatal, NodeId};
+    use openraft::{AnyError, ErrorSubject, ErrorVerb, StorageError, StorageIOError};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    enum Flat {
+        Storage(String),
+        Panicked,
+        Stopped,
+    }
+
+    pub fn serialize<S: Serializer>(fatal: &Fatal<NodeId>, s: S) -> Result<S::Ok, S::Error> {
+        match fatal {
+            Fatal::StorageError(e) => Flat::Storage(e.to_string()),
+            Fatal::Panicked => Flat::Panicked,
+            Fatal::Stopped => Flat::Stopped,
+        }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Fatal<NodeId>, D::Error> {
+        Ok(match Flat::deserialize(d)? {
+            Flat::Storage(text) => Fatal::StorageError(StorageError::from(StorageIOError::new(
+                ErrorSubject::Store,
+                ErrorVerb::Write,
+                AnyError::error(format!("on the peer: {text}")),
+            ))),
+            Flat::Panicked => Fatal::Panicked,
+            Flat::Stopped => Fatal::Stopped,
+        })
+    }
 }
 
 fn fatal_of(e: RaftError<NodeId>) -> Fatal<NodeId> {
@@ -536,6 +596,10 @@ async fn serve_conn(
         let response = match request {
             Request::Hello(_) => {
                 warn!(%peer, "raft: dropped the connection of node {from} at {peer}: a second Hello");
+                return;
+            }
+            Request::AppendEntries(rpc) if out_of_order(&rpc) => {
+                warn!(%peer, "raft: dropped the connection of node {from} at {peer}: entries out of order after {:?}", rpc.prev_log_id);
                 return;
             }
             Request::AppendEntries(rpc) => match raft.append_entries(rpc).await {
@@ -2027,9 +2091,9 @@ mod tests {
 
         // Another protocol version, and a bad magic.
         let mut hello = Hello::new("t-hello", 2, 1);
-        hello.version = 9;
+        hello.version = VERSION + 1;
         let (_, answer) = raw(&addr, &hello_frame(hello)).await;
-        assert_refused(&answer, "version 9");
+        assert_refused(&answer, &format!("version {}", VERSION + 1));
         let mut hello = Hello::new("t-hello", 2, 1);
         hello.magic = *b"AMQP";
         let (_, answer) = raw(&addr, &hello_frame(hello)).await;
@@ -2083,6 +2147,64 @@ mod tests {
             .await
             .unwrap();
         assert!(resp.vote_granted);
+    }
+
+    /// Entries that do not follow their `prev_log_id` one index at a time, or whose log ids
+    /// go back, drop the connection (logged) before openraft sees them (`out_of_order`:
+    /// without it the first request, a gap after index 0, was answered `Success`). The node
+    /// then takes a well-formed append.
+    #[tokio::test]
+    async fn entries_out_of_order_drop_the_connection_and_the_node_goes_on() {
+        let (logs, _guard) = capture_logs();
+        let server = start_node(1, "t-order").await;
+        let entry = |term, index| Entry {
+            log_id: LogId::new(CommittedLeaderId::new(term, 2), index),
+            payload: EntryPayload::Blank,
+        };
+        let append = |prev: Option<LogId>, entries| AppendEntriesRequest {
+            vote: Vote::new_committed(3, 2),
+            prev_log_id: prev,
+            leader_commit: None,
+            entries,
+        };
+        let bad = [
+            append(None, vec![entry(3, 0), entry(3, 2)]),
+            append(None, vec![entry(3, 1)]),
+            append(None, vec![entry(3, 0), entry(2, 1)]),
+            append(
+                Some(LogId::new(CommittedLeaderId::new(3, 2), u64::MAX)),
+                vec![entry(3, 0)],
+            ),
+        ];
+        for rpc in bad {
+            let prev = rpc.prev_log_id;
+            let mut net = NetworkFactory::new("t-order", 2)
+                .new_client(1, &server.node)
+                .await;
+            let err = net
+                .append_entries(rpc, RPCOption::new(WAIT))
+                .await
+                .unwrap_err();
+            assert!(!matches!(err, RPCError::RemoteError(_)), "{err}");
+            logs.assert_line(&["entries out of order after", &format!("{prev:?}")]);
+        }
+        let mut net = NetworkFactory::new("t-order", 2)
+            .new_client(1, &server.node)
+            .await;
+        let resp = net
+            .append_entries(
+                append(None, vec![entry(3, 0), entry(3, 1)]),
+                RPCOption::new(WAIT),
+            )
+            .await
+            .unwrap();
+        assert!(matches!(resp, AppendEntriesResponse::Success), "{resp:?}");
+        server
+            .raft
+            .wait(Some(WAIT))
+            .log_index_at_least(Some(1), "the well-formed entries")
+            .await
+            .unwrap();
     }
 
     #[test]
@@ -2339,14 +2461,49 @@ mod tests {
             Response::Vote(VoteResponse::new(Vote::new(4, 2), Some(log_id(3)), true)),
             Response::Snapshot(SnapshotResponse::new(Vote::new_committed(3, 1))),
             Response::RaftError(Fatal::Stopped),
-            Response::RaftError(Fatal::StorageError(StorageError::from(
-                StorageIOError::write_logs(AnyError::error("disk full")),
-            ))),
+            Response::RaftError(Fatal::Panicked),
         ];
         for response in &responses {
             let back: Response = postcard::from_bytes(&encode(response).unwrap()).unwrap();
             assert_eq!(format!("{back:?}"), format!("{response:?}"));
         }
+        // A storage error travels as its text.
+        let disk_full = Response::RaftError(Fatal::StorageError(StorageError::from(
+            StorageIOError::write_logs(AnyError::error("disk full")),
+        )));
+        let back: Response = postcard::from_bytes(&encode(&disk_full).unwrap()).unwrap();
+        let Response::RaftError(Fatal::StorageError(e)) = back else {
+            panic!("{back:?}")
+        };
+        assert!(
+            e.to_string()
+                .contains("on the peer: when Write Logs: disk full"),
+            "{e}"
+        );
+    }
+
+    /// openraft's encoding of a storage error nests `AnyError` sources to any depth, and
+    /// postcard decodes nesting by recursion: a peer's answer of a few MB of nested sources
+    /// overflowed the stack of the task decoding it, which aborts the process (this test
+    /// binary, with the nested form). The flat form has no nesting to follow.
+    #[test]
+    fn a_raft_error_nested_a_million_deep_does_not_overflow_the_stack() {
+        let head = encode(&Response::RaftError(Fatal::Stopped)).unwrap()[0];
+        // StorageError::IO, subject Store, verb Write, then AnyError { typ: None, msg: "",
+        // source: Some(.. the same ..) }.
+        let mut frame = vec![head, 0, 1, 0, 1];
+        for _ in 0..1_000_000 {
+            frame.extend_from_slice(&[0, 0, 1]);
+        }
+        // Decoded on a thread with a small stack, as a tokio worker's is bounded too.
+        let decoded = std::thread::Builder::new()
+            .stack_size(256 << 10)
+            .spawn(move || postcard::from_bytes::<Response>(&frame).map(|r| r.name()))
+            .unwrap()
+            .join()
+            .unwrap();
+        // Whatever it decodes to (the flat form reads a kind and a text), it returns.
+        let _ = decoded;
     }
 
     /// A frame's large byte strings are spliced in, not copied, and the bytes that reach the
