@@ -172,9 +172,8 @@ impl Broker {
         self.exec(op, fx)
     }
 
-    /// The change `op` makes, and its store writes, without recording it as a root: `apply`
-    /// for a root, and directly for what a root cascades into.
-    fn exec(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+    /// The store write of a definition `op` (durable ones), before `exec` makes the change.
+    fn journal(&mut self, op: &Op) {
         if self.log.enabled
             && matches!(
                 op,
@@ -191,6 +190,12 @@ impl Broker {
         {
             self.log.write(op.clone());
         }
+    }
+
+    /// The change `op` makes, and its store writes, without recording it as a root: `apply`
+    /// for a root, and directly for what a root cascades into.
+    fn exec(&mut self, op: &Op, fx: &mut Vec<Effect>) -> Result<(), AmqpError> {
+        self.journal(op);
         match op {
             Op::DeclareExchange {
                 vhost,
@@ -218,16 +223,10 @@ impl Broker {
                 });
             }
             Op::DeleteExchange { vhost, name } => {
-                let v = self.vhost_mut(vhost)?;
-                let replicated = v
-                    .exchanges
-                    .remove(name)
-                    .is_some_and(|x| x.durable && !name.is_empty());
                 // Bindings that pointed at it go too; an auto-delete exchange left without
                 // bindings goes with them, and so on up the chain (as RabbitMQ).
-                let dest = Dest::Exchange(name.clone());
-                let emptied = self.unbind_everywhere(vhost, &dest, replicated);
-                self.auto_delete(vhost, emptied, fx)?;
+                let emptied = self.delete_exchange(vhost, name)?;
+                self.auto_delete(vhost, emptied)?;
             }
             Op::DeclareQueue {
                 vhost,
@@ -287,7 +286,13 @@ impl Broker {
                 let arguments = decode_table(arguments)?;
                 let v = self.vhost_mut(vhost)?;
                 if let Some(x) = v.exchanges.get_mut(source) {
-                    x.bind(dest, routing_key.clone(), arguments);
+                    if x.bind(dest.clone(), routing_key.clone(), arguments) {
+                        *v.sources
+                            .entry(dest)
+                            .or_default()
+                            .entry(source.clone())
+                            .or_default() += 1;
+                    }
                 }
             }
             Op::Unbind {
@@ -306,8 +311,9 @@ impl Broker {
                     .get_mut(source)
                     .is_some_and(|x| x.unbind(&dest, routing_key, &arguments));
                 if removed {
+                    v.forget_source(&dest, source);
                     let emptied = self.emptied(vhost, vec![source.clone()], replicated);
-                    self.auto_delete(vhost, emptied, fx)?;
+                    self.auto_delete(vhost, emptied)?;
                 }
             }
             Op::Enqueue {
@@ -716,7 +722,7 @@ impl Broker {
                 }
             }
         }
-        let _ = self.auto_delete(&q.vhost, emptied, fx);
+        let _ = self.auto_delete(&q.vhost, emptied);
     }
 
     // ---------------------------------------------------------------- auto-delete cascades
@@ -761,9 +767,11 @@ impl Broker {
             return Vec::new();
         };
         let mut lost: Vec<String> = Vec::new();
-        for x in v.exchanges.values_mut() {
-            if x.unbind_dest(dest) > 0 && x.auto_delete {
-                lost.push(x.name.clone());
+        for source in v.sources.remove(dest).unwrap_or_default().into_keys() {
+            if let Some(x) = v.exchanges.get_mut(&source) {
+                if x.unbind_dest(dest) > 0 && x.auto_delete {
+                    lost.push(source);
+                }
             }
         }
         self.emptied(vhost, lost, replicated)
@@ -797,22 +805,49 @@ impl Broker {
             .collect()
     }
 
-    /// Delete the exchanges `emptied` found: derived, or recorded as a root op.
+    /// Remove exchange `name` and every binding to it: the auto-delete exchanges that
+    /// empties (`emptied`), which the caller deletes in turn (`auto_delete`).
+    fn delete_exchange(
+        &mut self,
+        vhost: &str,
+        name: &str,
+    ) -> Result<Vec<(String, bool)>, AmqpError> {
+        let v = self.vhost_mut(vhost)?;
+        let gone = v.exchanges.remove(name);
+        let replicated = gone.as_ref().is_some_and(|x| x.durable && !name.is_empty());
+        // Its own bindings go with it.
+        for b in gone.iter().flat_map(|x| x.bindings.iter()) {
+            v.forget_source(&b.dest, name);
+        }
+        let dest = Dest::Exchange(name.to_owned());
+        Ok(self.unbind_everywhere(vhost, &dest, replicated))
+    }
+
+    /// Delete the exchanges `emptied` found, each derived or recorded as a root op, and the
+    /// ones each of those empties in turn, depth first: what `apply`/`exec` of each deletion
+    /// would do, in the same order, but in a loop. A chain of auto-delete exchanges bound one
+    /// to the next is as long as a client makes it, and deleting it by recursion (one level
+    /// of `exec` per exchange) overflowed the stack at a few thousand, which aborts the
+    /// process (and, replicated, every node of a cluster).
     fn auto_delete(
         &mut self,
         vhost: &str,
-        emptied: Vec<(String, bool)>,
-        fx: &mut Vec<Effect>,
+        mut emptied: Vec<(String, bool)>,
     ) -> Result<(), AmqpError> {
-        for (name, record) in emptied {
+        emptied.reverse();
+        let mut pending = emptied;
+        while let Some((name, record)) = pending.pop() {
             let op = Op::DeleteExchange {
                 vhost: vhost.to_owned(),
-                name,
+                name: name.clone(),
             };
-            match record {
-                true => self.apply(&op, fx)?,
-                false => self.exec(&op, fx)?,
+            // As `apply` (a root), then `exec`, of the deletion.
+            if record && self.is_durable(&op) {
+                self.log.root(&op);
             }
+            self.journal(&op);
+            let more = self.delete_exchange(vhost, &name)?;
+            pending.extend(more.into_iter().rev());
         }
         Ok(())
     }

@@ -223,10 +223,32 @@ struct ConnState {
 #[derive(Debug)]
 struct VHost {
     exchanges: HashMap<String, Exchange>,
+    /// For each destination, the exchanges with bindings to it and how many each has: what
+    /// a destination going away unbinds, found without a scan of every exchange (a chain of
+    /// auto-delete exchanges deleted one after the other scanned them all at each link).
+    sources: HashMap<exchange::Dest, BTreeMap<String, usize>>,
     queues: HashMap<String, QueueId>,
     /// Metadata (`Op::PutVhost`).
     description: String,
     tags: Vec<String>,
+}
+
+impl VHost {
+    /// A binding of exchange `source` to `dest` went (`sources`).
+    fn forget_source(&mut self, dest: &exchange::Dest, source: &str) {
+        let Some(by) = self.sources.get_mut(dest) else {
+            return;
+        };
+        if let Some(count) = by.get_mut(source) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                by.remove(source);
+            }
+        }
+        if by.is_empty() {
+            self.sources.remove(dest);
+        }
+    }
 }
 
 /// A vhost as the management API shows it.
@@ -559,6 +581,7 @@ impl Broker {
             name.to_string(),
             VHost {
                 exchanges,
+                sources: HashMap::new(),
                 queues: HashMap::new(),
                 description: String::new(),
                 tags: Vec::new(),

@@ -889,3 +889,108 @@ async fn a_client_that_stops_reading_is_closed_when_asked() {
     let again = server.connect().await;
     again.create_channel().await.unwrap();
 }
+
+/// Whether exchange `name` exists (a passive declare on a channel of its own).
+async fn exchange_exists(conn: &lapin::Connection, name: &str) -> bool {
+    let ch = conn.create_channel().await.unwrap();
+    match ch
+        .exchange_declare(
+            name.into(),
+            lapin::ExchangeKind::Fanout,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(()) => true,
+        Err(e) => {
+            assert_eq!(reply_code(&e), Some(404), "{e}");
+            false
+        }
+    }
+}
+
+/// Declare exchanges `{prefix}-1..=n` (auto-delete, `durable` or not), a queue `{prefix}-q`
+/// bound to the first, and each next one bound to the one before.
+async fn auto_delete_chain(ch: &lapin::Channel, prefix: &str, n: usize, durable: bool) {
+    durable_queue(ch, &format!("{prefix}-q"), FieldTable::default()).await;
+    let declare = ExchangeDeclareOptions {
+        durable,
+        auto_delete: true,
+        nowait: true,
+        ..Default::default()
+    };
+    for i in 1..=n {
+        ch.exchange_declare(
+            format!("{prefix}-{i}").as_str().into(),
+            lapin::ExchangeKind::Fanout,
+            declare,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    ch.queue_bind(
+        format!("{prefix}-q").as_str().into(),
+        format!("{prefix}-1").as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    for i in 2..=n {
+        ch.exchange_bind(
+            format!("{prefix}-{}", i - 1).as_str().into(),
+            format!("{prefix}-{i}").as_str().into(),
+            "".into(),
+            ExchangeBindOptions { nowait: true },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// A chain of 10,000 auto-delete exchanges, each bound to the one before and the first to a
+/// queue: deleting the queue deletes the whole chain. The cascade was a recursion (one
+/// `exec` per exchange) and overflowed the stack of the task deleting the queue, which
+/// aborts the process (here, the test binary); replicated, it would have stopped every node
+/// of a cluster at once. A durable chain's deletions are written too: gone after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_chain_of_auto_delete_exchanges_goes_in_one_cascade() {
+    const N: usize = 10_000;
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    auto_delete_chain(&ch, "chain", N, false).await;
+    auto_delete_chain(&ch, "kept", 200, true).await;
+    assert!(exchange_exists(&conn, &format!("chain-{N}")).await);
+    assert!(exchange_exists(&conn, "kept-200").await);
+    for q in ["chain-q", "kept-q"] {
+        ch.queue_delete(q.into(), QueueDeleteOptions::default())
+            .await
+            .unwrap();
+    }
+    for name in [
+        "chain-1",
+        "chain-5000",
+        &format!("chain-{N}"),
+        "kept-1",
+        "kept-200",
+    ] {
+        assert!(!exchange_exists(&conn, name).await, "{name} is still there");
+    }
+    conn.close(200, "bye".into()).await.unwrap();
+    let server = server.restart().await;
+    let conn = server.connect().await;
+    for name in ["kept-1", "kept-100", "kept-200"] {
+        assert!(
+            !exchange_exists(&conn, name).await,
+            "{name} is back after a restart"
+        );
+    }
+}
