@@ -96,6 +96,14 @@ pub enum FrameError {
     },
     #[error("cannot decode content header {}", erlang_binary(payload))]
     BadHeader { payload: Bytes },
+    /// Field tables nested deeper than `nesting::MAX_NESTING` (in a method's arguments, or
+    /// a content header's headers when `class_id` is 60 and `method_id` 0): refused before
+    /// amq-protocol parses them by recursion.
+    #[error(
+        "field table nested deeper than {} levels",
+        crate::nesting::MAX_NESTING
+    )]
+    TooDeep { class_id: u16, method_id: u16 },
     /// basic.qos with a prefetch size: RabbitMQ refuses it with 540 (amq-protocol drops the
     /// field while parsing, so the codec checks the raw payload).
     #[error("prefetch_size!=0 ({0})")]
@@ -222,6 +230,12 @@ pub fn parse_method(payload: &Bytes) -> Result<AMQPClass, FrameError> {
             return Err(FrameError::PrefetchSize(size));
         }
     }
+    if crate::nesting::method_too_deep(class_id, method_id, &payload[4..]) {
+        return Err(FrameError::TooDeep {
+            class_id,
+            method_id,
+        });
+    }
     match parse_class(&payload[..]) {
         // Trailing bytes after a complete method are tolerated, as RabbitMQ does.
         Ok((_rest, class)) => Ok(class),
@@ -280,6 +294,12 @@ impl Decoder for FrameCodec {
         let frame = match frame_type {
             constants::FRAME_METHOD => self.method(channel, &payload)?,
             constants::FRAME_HEADER => {
+                if crate::nesting::header_too_deep(&payload[..]) {
+                    return Err(FrameError::TooDeep {
+                        class_id: 60,
+                        method_id: 0,
+                    });
+                }
                 let header = parse_content_header(&payload[..])
                     .map_err(|_| FrameError::BadHeader {
                         payload: payload.clone(),

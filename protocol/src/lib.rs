@@ -9,6 +9,7 @@
 pub mod body;
 pub mod codec;
 pub mod content;
+pub mod nesting;
 pub mod reply;
 
 pub use amq_protocol;

@@ -450,6 +450,15 @@ impl Session {
                 ..
             } => AmqpError::new(ReplyCode::FrameError, e).on(*class_id, *method_id),
             FrameError::PrefetchSize(_) => AmqpError::new(ReplyCode::NotImplemented, e).on(60, 10),
+            // Deeper than any client nests (see `nesting`): a syntax error, on the method or
+            // (a content header) on basic.publish.
+            FrameError::TooDeep {
+                class_id,
+                method_id,
+            } => match (class_id, method_id) {
+                (60, 0) => AmqpError::new(ReplyCode::SyntaxError, e).on(60, 40),
+                _ => AmqpError::new(ReplyCode::SyntaxError, e).on(*class_id, *method_id),
+            },
             FrameError::Io(_) => return,
         };
         if matches!(self.phase, Phase::Closing | Phase::Closed) {
