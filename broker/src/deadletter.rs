@@ -155,7 +155,12 @@ pub fn dead_letter_properties(
                         _ => BTreeMap::new(),
                     };
                     let count = match t.get("count") {
-                        Some(v) => super::args::int_value(v).unwrap_or(0) as i64 + 1,
+                        // Whatever the client wrote there: a count past i64 (or one near
+                        // it) stays at i64::MAX rather than wrapping (or, in a debug build,
+                        // panicking with the message already out of its queue).
+                        Some(v) => i64::try_from(super::args::int_value(v).unwrap_or(0))
+                            .unwrap_or(i64::MAX)
+                            .saturating_add(1),
                         None => 1,
                     };
                     t.insert("count".into(), AMQPValue::LongLongInt(count));
@@ -219,19 +224,27 @@ fn group_old_deaths(arr: &[AMQPValue]) -> Vec<AMQPValue> {
         _ => None,
     };
     let keys: Vec<_> = arr.iter().map(key).collect();
+    // Each group's size, then each group's first entry: counted in one pass each (the
+    // header is the client's, with thousands of entries if it likes; comparing each entry
+    // with every other one was quadratic, under the broker lock).
+    let mut sizes: std::collections::HashMap<&_, usize> = std::collections::HashMap::new();
+    for k in keys.iter().flatten() {
+        *sizes.entry(k).or_default() += 1;
+    }
+    let mut seen = std::collections::HashSet::new();
     let mut out = Vec::with_capacity(arr.len());
     for (i, v) in arr.iter().enumerate() {
         let (AMQPValue::FieldTable(t), Some(k)) = (v, &keys[i]) else {
             out.push(v.clone());
             continue;
         };
-        if keys[..i].iter().any(|seen| seen.as_ref() == Some(k)) {
+        if !seen.insert(k) {
             continue;
         }
         if t.inner().contains_key("count") {
             out.push(v.clone());
         } else {
-            let n = keys[i..].iter().filter(|o| o.as_ref() == Some(k)).count();
+            let n = sizes.get(k).copied().unwrap_or(1);
             let mut t = t.inner().clone();
             t.insert("count".into(), AMQPValue::LongLongInt(n as i64));
             out.push(AMQPValue::FieldTable(FieldTable::from(t)));

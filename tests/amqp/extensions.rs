@@ -216,6 +216,68 @@ async fn rejected_messages_are_dead_lettered_with_x_death() {
     assert_eq!(d.delivery.routing_key, dlq);
 }
 
+/// A client's `x-death` whose count for this queue and reason is already at i64::MAX stays
+/// there: `count + 1` wrapped to a negative count (and panicked in a debug build, the
+/// message already out of its queue).
+#[tokio::test]
+async fn an_x_death_count_at_its_limit_stays_there() {
+    let server = TestServer::start().await;
+    let conn = server.connect().await;
+    let ch = conn.create_channel().await.unwrap();
+    let src = unique("src");
+    let entry = AMQPValue::FieldTable(args(&[
+        ("queue", s(&src)),
+        ("reason", s("rejected")),
+        ("count", AMQPValue::LongLongInt(i64::MAX)),
+    ]));
+    let dlq = declare(&ch, &unique("dlq"), FieldTable::default()).await;
+    declare(
+        &ch,
+        &src,
+        args(&[
+            ("x-dead-letter-exchange", s("")),
+            ("x-dead-letter-routing-key", s(dlq.as_str())),
+        ]),
+    )
+    .await;
+    let headers = args(&[("x-death", AMQPValue::FieldArray(vec![entry].into()))]);
+    publish(
+        &ch,
+        &src,
+        "rejected",
+        BasicProperties::default().with_headers(headers),
+    )
+    .await;
+    let m = ch
+        .basic_get(src.as_str().into(), Default::default())
+        .await
+        .unwrap()
+        .unwrap();
+    ch.basic_reject(
+        m.delivery.delivery_tag,
+        BasicRejectOptions { requeue: false },
+    )
+    .await
+    .unwrap();
+    assert_eq!(wait_count(&ch, dlq.as_str(), 1).await, 1);
+    let d = ch
+        .basic_get(dlq.clone(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
+    let h = d.delivery.properties.headers().clone().unwrap();
+    let Some(AMQPValue::FieldArray(deaths)) = h.inner().get("x-death") else {
+        panic!("no x-death: {h:?}");
+    };
+    let Some(AMQPValue::FieldTable(death)) = deaths.as_slice().first() else {
+        panic!("empty x-death");
+    };
+    assert_eq!(
+        death.inner().get("count"),
+        Some(&AMQPValue::LongLongInt(i64::MAX))
+    );
+}
+
 /// Entries written by brokers before 3.8 (one per death, no `count`) are merged by queue and
 /// reason with their number as the count, as RabbitMQ 3.10 does (the Java client's
 /// `handlingOfXDeathHeadersFromEarlierVersions`).
