@@ -233,6 +233,34 @@ struct VHost {
     tags: Vec<String>,
 }
 
+/// The exchanges a publish has reached: a few in a vector (most publishes reach one or two),
+/// a set once there are many (exchange-to-exchange bindings as many as a client makes: a
+/// linear search each made routing through thousands of them quadratic, under the lock).
+#[derive(Default)]
+struct Visited<'a> {
+    few: SmallVec<[&'a str; 8]>,
+    many: std::collections::HashSet<&'a str>,
+}
+
+impl<'a> Visited<'a> {
+    /// Whether `name` is new (and now visited).
+    fn insert(&mut self, name: &'a str) -> bool {
+        if !self.many.is_empty() {
+            return self.many.insert(name);
+        }
+        if self.few.contains(&name) {
+            return false;
+        }
+        if self.few.len() < self.few.inline_size() {
+            self.few.push(name);
+        } else {
+            self.many.extend(self.few.drain(..));
+            self.many.insert(name);
+        }
+        true
+    }
+}
+
 impl VHost {
     /// A binding of exchange `source` to `dest` went (`sources`).
     fn forget_source(&mut self, dest: &exchange::Dest, source: &str) {
@@ -2158,13 +2186,24 @@ impl Broker {
             )));
         }
         let headers = msg.properties.headers().as_ref();
-        let mut visited: SmallVec<[&str; 4]> = SmallVec::new();
-        visited.push(exchange);
+        // CC and BCC add keys as the client likes (thousands, repeated): each distinct key
+        // routes once, and fanout and headers exchanges, which ignore keys, route once.
+        let mut distinct: SmallVec<[&str; 4]> = SmallVec::from_slice(keys);
+        if distinct.len() > 1 {
+            distinct.sort_unstable();
+            distinct.dedup();
+        }
+        let mut visited = Visited::default();
+        visited.insert(exchange);
         let mut pending: SmallVec<[&Exchange; 4]> = SmallVec::new();
         pending.push(x);
         let mut dests: SmallVec<[&Dest; 16]> = SmallVec::new();
         while let Some(x) = pending.pop() {
             dests.clear();
+            let keys = match x.kind {
+                ExchangeKind::Fanout | ExchangeKind::Headers => &distinct[..distinct.len().min(1)],
+                ExchangeKind::Direct | ExchangeKind::Topic => &distinct[..],
+            };
             for key in keys {
                 x.route(key, headers, &mut dests);
             }
@@ -2172,9 +2211,8 @@ impl Broker {
                 // RabbitMQ's rule: an exchange whose own bindings match nothing hands the message
                 // to its alternate exchange (chains followed, cycles cut by `visited`).
                 if let Some(ae) = alternate_exchange(&x.arguments) {
-                    if !visited.contains(&ae) {
+                    if visited.insert(ae) {
                         if let Some(next) = v.exchanges.get(ae) {
-                            visited.push(next.name.as_str());
                             pending.push(next);
                         }
                     }
@@ -2186,9 +2224,8 @@ impl Broker {
                     Dest::Queue(id) => queues.push(*id),
                     Dest::Exchange(name) => {
                         // Cycles in exchange-to-exchange bindings are cut here.
-                        if !visited.contains(&name.as_str()) {
+                        if visited.insert(name.as_str()) {
                             if let Some(next) = v.exchanges.get(name) {
-                                visited.push(next.name.as_str());
                                 pending.push(next);
                             }
                         }
