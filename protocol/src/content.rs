@@ -3,7 +3,7 @@
 use crate::body::Body;
 use crate::reply::{AmqpError, ReplyCode};
 use amq_protocol::protocol::basic::AMQPProperties;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use std::sync::Arc;
 
 /// basic.publish's arguments, its names shared: publishers repeat the same exchange and
@@ -67,8 +67,17 @@ enum State {
         /// common single-frame body costs no allocation.
         first: Bytes,
         more: Vec<Bytes>,
+        /// Frames after the first shorter than `COPY_BELOW`, copied together: the next part
+        /// of `more` once a longer frame (or the end) comes.
+        tail: BytesMut,
     },
 }
+
+/// Body frames after the first shorter than this are copied into one buffer rather than
+/// kept each as a part: a part costs 32 bytes besides its bytes, and keeps its read buffer
+/// alive, so a client sending a large body a byte a frame (a 128 MiB body is 134 million
+/// frames) made gigabytes of part list out of it.
+const COPY_BELOW: usize = 1024;
 
 /// Assembles content for one channel.
 #[derive(Debug, Default)]
@@ -157,6 +166,7 @@ impl ContentAssembler {
             have: 0,
             first: Bytes::new(),
             more: Vec::new(),
+            tail: BytesMut::new(),
         };
         Ok(None)
     }
@@ -175,6 +185,7 @@ impl ContentAssembler {
             have,
             first,
             more,
+            tail,
             ..
         } = &mut self.state
         else {
@@ -193,7 +204,12 @@ impl ContentAssembler {
         *have = got;
         if first.is_empty() {
             *first = data;
-        } else if !data.is_empty() {
+        } else if data.len() < COPY_BELOW {
+            tail.extend_from_slice(&data);
+        } else {
+            if !tail.is_empty() {
+                more.push(tail.split().freeze());
+            }
             more.push(data);
         }
         if got == *expected {
@@ -203,9 +219,13 @@ impl ContentAssembler {
                 raw_properties,
                 first,
                 mut more,
+                tail,
                 ..
             } = std::mem::take(&mut self.state)
             {
+                if !tail.is_empty() {
+                    more.push(tail.freeze());
+                }
                 let body = if more.is_empty() {
                     Body::from(first)
                 } else {
@@ -237,28 +257,62 @@ mod tests {
         }
     }
 
-    #[test]
-    fn body_across_many_frames() {
+    fn awaiting(size: u64) -> ContentAssembler {
         let mut a = ContentAssembler::default();
         a.publish(publish()).unwrap();
         assert!(a
             .header(
                 60,
-                6,
+                size,
                 AMQPProperties::default(),
                 Bytes::from_static(&[0, 0])
             )
             .unwrap()
             .is_none());
-        assert!(a.body(Bytes::from_static(b"ab")).unwrap().is_none());
-        assert!(a.body(Bytes::from_static(b"cd")).unwrap().is_none());
-        let c = a.body(Bytes::from_static(b"ef")).unwrap().unwrap();
-        assert_eq!(c.body, &b"abcdef"[..]);
+        a
+    }
+
+    #[test]
+    fn body_across_many_frames() {
+        let frame = |c: u8| Bytes::from(vec![c; COPY_BELOW]);
+        let mut a = awaiting(3 * COPY_BELOW as u64);
+        assert!(a.body(frame(b'a')).unwrap().is_none());
+        assert!(a.body(frame(b'b')).unwrap().is_none());
+        let c = a.body(frame(b'c')).unwrap().unwrap();
+        assert_eq!(
+            c.body.to_bytes(),
+            [frame(b'a'), frame(b'b'), frame(b'c')].concat()
+        );
         assert_eq!(
             c.body.parts().len(),
             3,
             "body frames are kept, not concatenated"
         );
+        assert!(a.is_idle());
+    }
+
+    /// Frames shorter than `COPY_BELOW` after the first are copied together, between the
+    /// longer ones kept as they are: 10,000 one-byte frames were 10,000 parts.
+    #[test]
+    fn small_body_frames_are_copied_together() {
+        let big = Bytes::from(vec![b'B'; COPY_BELOW]);
+        let mut a = awaiting(1 + 5_000 + COPY_BELOW as u64 + 5_000);
+        let mut expected = vec![b'f'];
+        assert!(a.body(Bytes::from_static(b"f")).unwrap().is_none());
+        for _ in 0..5_000 {
+            assert!(a.body(Bytes::from_static(b"x")).unwrap().is_none());
+        }
+        expected.extend_from_slice(&[b'x'; 5_000]);
+        assert!(a.body(big.clone()).unwrap().is_none());
+        expected.extend_from_slice(&big);
+        let mut done = None;
+        for _ in 0..5_000 {
+            done = a.body(Bytes::from_static(b"y")).unwrap();
+        }
+        expected.extend_from_slice(&[b'y'; 5_000]);
+        let c = done.unwrap();
+        assert_eq!(c.body.to_bytes(), expected);
+        assert_eq!(c.body.parts().len(), 4, "first, x's, the long frame, y's");
         assert!(a.is_idle());
     }
 
