@@ -144,6 +144,14 @@ async fn reject_to_dead_letter_queue(
     ch: &lapin::Channel,
     props: BasicProperties,
 ) -> (String, ShortString, lapin::message::BasicGetMessage) {
+    reject_to_dead_letter_queue_with(ch, |_| props).await
+}
+
+/// `reject_to_dead_letter_queue` with properties made from the source queue's name.
+async fn reject_to_dead_letter_queue_with(
+    ch: &lapin::Channel,
+    props: impl FnOnce(&str) -> BasicProperties,
+) -> (String, ShortString, lapin::message::BasicGetMessage) {
     let dlq = declare(ch, &unique("dlq"), FieldTable::default()).await;
     let src = unique("src");
     declare(
@@ -155,7 +163,7 @@ async fn reject_to_dead_letter_queue(
         ]),
     )
     .await;
-    publish(ch, &src, "rejected", props).await;
+    publish(ch, &src, "rejected", props(&src)).await;
     let m = ch
         .basic_get(src.as_str().into(), Default::default())
         .await
@@ -224,47 +232,16 @@ async fn an_x_death_count_at_its_limit_stays_there() {
     let server = TestServer::start().await;
     let conn = server.connect().await;
     let ch = conn.create_channel().await.unwrap();
-    let src = unique("src");
-    let entry = AMQPValue::FieldTable(args(&[
-        ("queue", s(&src)),
-        ("reason", s("rejected")),
-        ("count", AMQPValue::LongLongInt(i64::MAX)),
-    ]));
-    let dlq = declare(&ch, &unique("dlq"), FieldTable::default()).await;
-    declare(
-        &ch,
-        &src,
-        args(&[
-            ("x-dead-letter-exchange", s("")),
-            ("x-dead-letter-routing-key", s(dlq.as_str())),
-        ]),
-    )
+    let (_, _, d) = reject_to_dead_letter_queue_with(&ch, |src| {
+        let entry = AMQPValue::FieldTable(args(&[
+            ("queue", s(src)),
+            ("reason", s("rejected")),
+            ("count", AMQPValue::LongLongInt(i64::MAX)),
+        ]));
+        let headers = args(&[("x-death", AMQPValue::FieldArray(vec![entry].into()))]);
+        BasicProperties::default().with_headers(headers)
+    })
     .await;
-    let headers = args(&[("x-death", AMQPValue::FieldArray(vec![entry].into()))]);
-    publish(
-        &ch,
-        &src,
-        "rejected",
-        BasicProperties::default().with_headers(headers),
-    )
-    .await;
-    let m = ch
-        .basic_get(src.as_str().into(), Default::default())
-        .await
-        .unwrap()
-        .unwrap();
-    ch.basic_reject(
-        m.delivery.delivery_tag,
-        BasicRejectOptions { requeue: false },
-    )
-    .await
-    .unwrap();
-    assert_eq!(wait_count(&ch, dlq.as_str(), 1).await, 1);
-    let d = ch
-        .basic_get(dlq.clone(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-        .unwrap();
     let h = d.delivery.properties.headers().clone().unwrap();
     let Some(AMQPValue::FieldArray(deaths)) = h.inner().get("x-death") else {
         panic!("no x-death: {h:?}");
